@@ -1,0 +1,1 @@
+"""Benchmark harness: workloads, a streaming client, metrics and reports."""

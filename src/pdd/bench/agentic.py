@@ -1,0 +1,189 @@
+"""Synthetic agentic workload: multi-turn tool-calling sessions.
+
+Each session starts from a system prompt shared by all sessions plus its own
+task context. Every later turn's prompt is the previous prompt, then the
+previous answer, then the tool's output, so it re-reads the previous prompt
+from the prefix cache. That gives the report's skewed hit-rate distribution:
+
+* most turns add a few dozen tokens to a context of a thousand or more:
+  hit rate above 95 %;
+* the first turn of a session hits only the shared system prompt, and now and
+  then a tool dumps a big output (a file, a search result): the low-hit tail;
+* `abnormal_fraction` of requests are one-shot very-long-input /
+  very-short-output calls (classify or extract from a fresh document), the
+  requests the abnormal-traffic filter keeps on RelayDecode.
+
+Determinism: the "previous answer" placed into the next prompt is synthetic
+(random ids of the answer's configured length, seeded), not what the model
+actually produced, so the workload and its theoretical hit rates depend on
+the seed only. The server cannot have cached those answer tokens, so the
+realised hit rate is the previous *prompt* over the new prompt, which is what
+`theoretical_hit_rates` computes.
+
+Sessions are closed-loop by default: turn t is sent `think_time_s` after
+turn t-1 finished. Session starts are a Poisson process.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+from pdd.bench.workload import (
+    RequestKind,
+    Workload,
+    WorkloadRequest,
+    poisson_arrivals,
+    random_tokens,
+    token_id_range,
+)
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class AgenticConfig:
+    num_requests: int = 200
+    turns: Range = (8, 16)                     # turns per session (uniform)
+    system_prompt_tokens: int = 256            # shared by every session
+    initial_context_tokens: Range = (768, 1536)  # each session's own task context
+    tool_output_tokens: Range = (2, 16)        # context growth per turn besides the answer
+    output_tokens: Range = (8, 32)             # max_tokens of a turn
+    big_tool_prob: float = 0.15                # chance a turn's tool output is big
+    # A big output's size relative to the context, drawn log-uniformly: it
+    # spreads those turns from ~98 % down to ~77 % hit.
+    big_tool_fraction: tuple[float, float] = (0.02, 0.3)
+    abnormal_fraction: float = 0.035           # very-long-input, very-short-output requests
+    abnormal_input_tokens: Range = (1536, 2048)
+    abnormal_output_tokens: Range = (1, 4)
+    max_context_tokens: int = 4096             # prompt + max_tokens never exceeds this
+    session_rate_per_s: float = 0.5            # Poisson session starts
+    turn_interval_s: float = 4.0               # nominal (open loop: actual) spacing of turns
+    think_time_s: float = 0.0                  # closed loop: pause after the previous answer
+    closed_loop: bool = True
+    vocab_size: int = 49152
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("turns", "initial_context_tokens", "tool_output_tokens", "output_tokens",
+                     "abnormal_input_tokens", "abnormal_output_tokens"):
+            lo, hi = getattr(self, name)
+            if not 0 <= lo <= hi:
+                raise ValueError(f"{name}: need 0 <= low <= high, got {(lo, hi)}")
+        if self.turns[0] < 1 or self.output_tokens[0] < 1 or self.abnormal_output_tokens[0] < 1:
+            raise ValueError("turns and output lengths must be >= 1")
+        if self.num_requests < 0:
+            raise ValueError("num_requests must be >= 0")
+        if not 0.0 <= self.abnormal_fraction < 1.0 or not 0.0 <= self.big_tool_prob <= 1.0:
+            raise ValueError("abnormal_fraction in [0, 1), big_tool_prob in [0, 1]")
+        if not 0.0 < self.big_tool_fraction[0] <= self.big_tool_fraction[1]:
+            raise ValueError("big_tool_fraction: need 0 < low <= high")
+        first = self.system_prompt_tokens + self.initial_context_tokens[1] + self.output_tokens[1]
+        if first > self.max_context_tokens:
+            raise ValueError(f"a first turn ({first} tokens) can exceed max_context_tokens")
+        if self.abnormal_input_tokens[1] + self.abnormal_output_tokens[1] > self.max_context_tokens:
+            raise ValueError("abnormal requests can exceed max_context_tokens")
+        token_id_range(self.vocab_size)
+
+
+# Small enough to run four modes in a few minutes on a CPU (prefill ~200
+# tok/s, decode ~20 tok/s): two 6-turn sessions of ~1K context, one abnormal call.
+QUICK = AgenticConfig(
+    num_requests=12,
+    turns=(6, 6),
+    system_prompt_tokens=256,
+    initial_context_tokens=(640, 1024),
+    tool_output_tokens=(4, 12),
+    output_tokens=(16, 32),
+    big_tool_prob=0.0,
+    abnormal_input_tokens=(1280, 1408),
+    abnormal_output_tokens=(2, 2),
+    max_context_tokens=1536,
+    session_rate_per_s=0.5,
+    turn_interval_s=3.0,
+)
+
+
+def num_abnormal(cfg: AgenticConfig) -> int:
+    """round(fraction x n), but at least one when the fraction is non-zero and n >= 10."""
+    if cfg.abnormal_fraction <= 0 or cfg.num_requests == 0:
+        return 0
+    n = round(cfg.abnormal_fraction * cfg.num_requests)
+    return max(n, 1) if cfg.num_requests >= 10 else n
+
+
+def _session(cfg: AgenticConfig, idx: int, start_s: float, system: list[int],
+             budget: int) -> list[WorkloadRequest]:
+    rng = random.Random(f"agentic:{cfg.seed}:session:{idx}")
+    sid = f"s{idx:04d}"
+    num_turns = min(rng.randint(*cfg.turns), budget)
+    context = system + random_tokens(rng, rng.randint(*cfg.initial_context_tokens), cfg.vocab_size)
+    out: list[WorkloadRequest] = []
+    prev_answer = 0
+    for t in range(num_turns):
+        if t > 0:
+            answer = random_tokens(rng, prev_answer, cfg.vocab_size)
+            if rng.random() < cfg.big_tool_prob:
+                lo, hi = cfg.big_tool_fraction
+                n_tool = int(len(context) * lo * (hi / lo) ** rng.random())
+            else:
+                n_tool = rng.randint(*cfg.tool_output_tokens)
+            grown = context + answer + random_tokens(rng, n_tool, cfg.vocab_size)
+        else:
+            grown = context
+        max_tokens = rng.randint(*cfg.output_tokens)
+        if len(grown) + max_tokens > cfg.max_context_tokens:
+            break  # the agent's task ends when its context is full
+        context = grown
+        out.append(WorkloadRequest(
+            request_id=f"{sid}-t{t:02d}",
+            arrival_s=start_s + t * cfg.turn_interval_s,
+            prompt_token_ids=list(context),
+            max_tokens=max_tokens,
+            session_id=sid,
+            turn=t,
+            depends_on=out[-1].request_id if (out and cfg.closed_loop) else None,
+            think_time_s=cfg.think_time_s if cfg.closed_loop else 0.0,
+            kind=RequestKind.TURN,
+        ))
+        prev_answer = max_tokens
+    return out
+
+
+def _abnormal(cfg: AgenticConfig, idx: int, arrival_s: float, system: list[int]) -> WorkloadRequest:
+    rng = random.Random(f"agentic:{cfg.seed}:abnormal:{idx}")
+    n_in = rng.randint(*cfg.abnormal_input_tokens)
+    doc = random_tokens(rng, max(1, n_in - len(system)), cfg.vocab_size)
+    return WorkloadRequest(
+        request_id=f"a{idx:04d}",
+        arrival_s=arrival_s,
+        prompt_token_ids=(system + doc)[:max(n_in, 1)],
+        max_tokens=rng.randint(*cfg.abnormal_output_tokens),
+        session_id=None,
+        kind=RequestKind.ABNORMAL,
+    )
+
+
+def generate(cfg: AgenticConfig, block_size: int = 16) -> Workload:
+    """A deterministic agentic workload of exactly `cfg.num_requests` requests."""
+    system = random_tokens(random.Random(f"agentic:{cfg.seed}:system"), cfg.system_prompt_tokens,
+                           cfg.vocab_size)
+    n_abn = num_abnormal(cfg)
+    n_turns = cfg.num_requests - n_abn
+    # Enough session starts for the worst case of one turn per session.
+    starts = poisson_arrivals(max(n_turns, 1), cfg.session_rate_per_s, cfg.seed)
+    requests: list[WorkloadRequest] = []
+    idx = 0
+    while len(requests) < n_turns:
+        session = _session(cfg, idx, starts[idx] - starts[0], system, n_turns - len(requests))
+        requests.extend(session)
+        idx += 1
+        if idx >= len(starts) and len(requests) < n_turns:
+            raise ValueError("sessions end before their first turn: raise max_context_tokens")
+    span = max((r.arrival_s for r in requests), default=0.0)
+    arng = random.Random(f"agentic:{cfg.seed}:abnormal-times")
+    for i in range(n_abn):
+        requests.append(_abnormal(cfg, i, arng.uniform(0.0, span), system))
+    requests.sort(key=lambda r: (r.arrival_s, r.request_id))
+    settings = {"kind": "agentic", **asdict(cfg)}
+    return Workload(name="agentic", requests=requests, settings=settings, block_size=block_size)

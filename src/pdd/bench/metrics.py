@@ -1,0 +1,105 @@
+"""Arithmetic of the side-by-side report: percentiles, SLA goodput, BCR.
+
+Pure functions over RequestRecord lists; no I/O. Used by `pdd bench` and
+`pdd sim` alike, so a measured and a simulated run are summarised the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from pdd.bench.records import RequestRecord
+
+
+@dataclass(frozen=True)
+class Sla:
+    ttft_s: float
+    tpot_s: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]), numpy's default method."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def distribution(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    return {
+        "mean": statistics.fmean(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
+
+
+def meets_sla(r: RequestRecord, sla: Sla) -> bool:
+    if r.failed or r.ttft_s is None:
+        return False
+    tpot = r.tpot_s
+    return r.ttft_s <= sla.ttft_s and (tpot is None or tpot <= sla.tpot_s)
+
+
+def handoff_gap_ratio(records: list[RequestRecord]) -> float | None:
+    """Largest inter-token gap at a handoff divided by the median inter-token gap."""
+    gaps = [r.handoff_gap_s for r in records if r.handoff_gap_s is not None]
+    itls = [x for r in records if not r.failed for x in r.itls_s]
+    if not gaps or not itls:
+        return None
+    med = percentile(itls, 50)
+    return max(gaps) / med if med > 0 else None
+
+
+def summarize_mode(
+    records: list[RequestRecord], sla: Sla, cost_per_hour: float, duration_s: float
+) -> dict:
+    """One mode's entry of summary.json (`modes.<mode>`)."""
+    ok = [r for r in records if not r.failed]
+    good = [r for r in records if meets_sla(r, sla)]
+    goodput = len(good) / duration_s if duration_s > 0 else 0.0
+    total_out = sum(r.output_tokens for r in ok)
+    return {
+        "num_requests": len(records),
+        "num_failed": len(records) - len(ok),
+        "duration_s": duration_s,
+        "ttft_s": distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_s": distribution([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_s": distribution([x for r in ok for x in r.itls_s]),
+        "e2e_s": distribution([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "sla": {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s},
+        "sla_attainment": len(good) / len(records) if records else 0.0,
+        "goodput_rps": goodput,
+        "throughput_tok_s": total_out / duration_s if duration_s > 0 else 0.0,
+        "cost_per_hour": cost_per_hour,
+        # BCR: requests/s within SLA per (cost/hour); higher is better.
+        "bcr": goodput / cost_per_hour if cost_per_hour > 0 else math.nan,
+        "wan_bytes": sum(r.wan_bytes for r in records),
+        "uncached_kv_bytes": sum(r.uncached_kv_bytes for r in records),
+        "rld_token_share": (sum(r.rld_tokens for r in ok) / total_out) if total_out else 0.0,
+        "handoff_gap_ratio": handoff_gap_ratio(records),
+        "prefix_hit_rate": (
+            sum(r.cached_tokens for r in records) / max(1, sum(r.prompt_tokens for r in records))
+        ),
+    }
+
+
+def relative_change(new: float | None, old: float | None) -> float | None:
+    """(new - old) / old; None when either is missing or old is zero."""
+    if new is None or old is None or not math.isfinite(new) or not math.isfinite(old) or old == 0:
+        return None
+    return (new - old) / old
+
+
+def cost_per_million_tokens(cost_per_hour: float, throughput_tok_s: float) -> float:
+    """Hardware cost of one million output tokens at the measured throughput."""
+    if throughput_tok_s <= 0:
+        return math.inf
+    return cost_per_hour / (throughput_tok_s * 3600.0) * 1e6

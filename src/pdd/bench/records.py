@@ -1,0 +1,50 @@
+"""Per-request facts, the one record shape that both `pdd bench` (measured)
+and `pdd sim` (simulated) produce, so one summariser serves both."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    arrival_s: float                 # seconds from the start of the run
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0           # prompt tokens served from P's prefix cache
+    ttft_s: float | None = None      # None when the request failed before a token
+    token_times_s: list[float] = field(default_factory=list)  # absolute, from run start
+    e2e_s: float | None = None
+    failed: bool = False
+    error: str | None = None
+    wan_bytes: int = 0               # KV bytes that crossed the WAN for this request
+    uncached_kv_bytes: int = 0       # KV bytes of the prompt tokens P had to compute
+    rld_tokens: int = 0              # output tokens emitted by a RelayDecode instance
+    handoff_gap_s: float | None = None   # inter-token gap at the RLD -> MD switch
+    pipeline: str | None = None      # policy decision, e.g. "direct", "relay", "relay_filtered"
+    handoff_mode: str | None = None  # "one_shot" / "catch_up" when a handoff happened
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def itls_s(self) -> list[float]:
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (None for < 2 tokens)."""
+        t = self.token_times_s
+        if len(t) < 2:
+            return None
+        return (t[-1] - t[0]) / (len(t) - 1)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RequestRecord":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})

@@ -1,0 +1,197 @@
+"""Run one workload against several deployments, one after another.
+
+For each mode: start its deployment (blocks until healthy), send `warmup`
+short unrelated requests, send the workload (same seed, same token ids for
+every mode), stop the deployment, write the mode's records.jsonl. Then write summary.json, the plots and report.md under `out`.
+
+Deployments come from `pdd.deploy.launcher.Deployment.start(config_path,
+overrides, run_dir)`; tests pass a fake factory with the same shape. An
+ablation is the base deployment with a policy override, named `<base>+<ablation>`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pdd.bench.client import ClientConfig, run_workload_sync
+from pdd.bench.metrics import Sla, summarize_mode
+from pdd.bench.records import RequestRecord
+from pdd.bench.workload import Workload, WorkloadRequest, hit_rate_histogram
+
+ABLATIONS: dict[str, dict] = {
+    "no-drc": {"policy": {"enable_drc": False}},
+    "one-shot": {"policy": {"handoff_mode": "one_shot"}},
+    "catch-up": {"policy": {"handoff_mode": "catch_up"}},
+    "no-filter": {"policy": {"enable_filter": False}},
+}
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    config_path: str
+    overrides: dict | None = None
+
+
+def plan_modes(configs: list[str], ablations: list[str] | None = None) -> list[ModeSpec]:
+    """One mode per config file, then one per ablation.
+
+    An ablation is `NAME` (applied to the config whose stem starts with "pdd",
+    else the last one) or `BASE:NAME` (applied to the config with stem BASE).
+    """
+    modes = [ModeSpec(Path(c).stem, str(c)) for c in configs]
+    names = [m.name for m in modes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two configs share a file stem: {names}")
+    for item in ablations or []:
+        base_name, _, abl = item.rpartition(":")
+        if abl not in ABLATIONS:
+            raise ValueError(f"unknown ablation {abl!r}; choose from {sorted(ABLATIONS)}")
+        if base_name:
+            base = next((m for m in modes if m.name == base_name), None)
+            if base is None:
+                raise ValueError(f"ablation base {base_name!r} is not among the configs")
+        else:
+            if not modes:
+                raise ValueError("an ablation needs a base config (-c)")
+            base = next((m for m in modes if m.name.startswith("pdd")), modes[-1])
+        modes.append(ModeSpec(f"{base.name}+{abl}", base.config_path, ABLATIONS[abl]))
+    return modes
+
+
+class Progress:
+    """tqdm when installed, else a printed counter."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.n = total, desc, 0
+        try:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr)
+        except ImportError:
+            self._bar = None
+
+    def update(self, record: RequestRecord) -> None:
+        self.n += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        elif self.n == self.total or self.n % max(1, self.total // 10) == 0:
+            print(f"{self.desc}: {self.n}/{self.total}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _default_factory() -> Callable:
+    from pdd.deploy.launcher import Deployment
+    return Deployment.start
+
+
+def write_records(path: Path, records: list[RequestRecord]) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r.to_dict()) + "\n")
+
+
+def read_records(path: Path) -> list[RequestRecord]:
+    with open(path) as f:
+        return [RequestRecord.from_dict(json.loads(line)) for line in f if line.strip()]
+
+
+def warmup_requests(workload: Workload, n: int) -> list[WorkloadRequest]:
+    """`n` short requests of fresh random ids (within the workload's id range, so
+    valid for its vocabulary) that share no prefix with the workload."""
+    ids = [t for r in workload.requests for t in (min(r.prompt_token_ids), max(r.prompt_token_ids))]
+    if not ids or n <= 0:
+        return []
+    lo, hi = min(ids), max(ids)
+    rng = random.Random("warmup")
+    return [WorkloadRequest(f"warmup-{i}", 0.0, [rng.randint(lo, hi) for _ in range(32)], 4)
+            for i in range(n)]
+
+
+def run_mode(spec: ModeSpec, workload: Workload, out: Path, sla: Sla, client: dict,
+             factory: Callable, warmup: int = 1) -> tuple[dict, list[RequestRecord]]:
+    mode_dir = out / spec.name
+    mode_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    dep = factory(spec.config_path, spec.overrides, run_dir=mode_dir / "deploy")
+    startup_s = time.monotonic() - t0
+    progress = Progress(len(workload.requests), spec.name)
+    try:
+        cfg = ClientConfig(base_url=dep.router_url, **client)
+        if warmup:   # first forward passes are slow (allocations, lazy init): keep them out
+            run_workload_sync(replace(cfg, fetch_trace=False), warmup_requests(workload, warmup))
+        records, duration_s = run_workload_sync(cfg, workload.requests, progress.update)
+    finally:
+        progress.close()
+        dep.stop()
+    write_records(mode_dir / "records.jsonl", records)
+    summary = summarize_mode(records, sla, float(dep.cost_per_hour), duration_s)
+    summary["hit_rate_histogram"] = hit_rate_histogram([r.hit_rate for r in records if not r.failed])
+    summary.update({"config": spec.config_path, "overrides": spec.overrides,
+                    "deployment": getattr(dep, "name", spec.name), "startup_s": startup_s})
+    return summary, records
+
+
+def run_bench(modes: list[ModeSpec], workload: Workload, out: Path, sla: Sla,
+              client: dict | None = None, factory: Callable | None = None,
+              baseline: str | None = None, plots: bool = True, warmup: int = 1) -> dict:
+    """Run every mode, write all outputs under `out`, return summary.json's content."""
+    from pdd.bench import report
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    factory = factory or _default_factory()
+    summary: dict = {"workload": workload.describe(),
+                     "sla": {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s},
+                     "modes": {}}
+    all_records: dict[str, list[RequestRecord]] = {}
+    for spec in modes:
+        print(f"== {spec.name}: {spec.config_path} {spec.overrides or ''}", file=sys.stderr)
+        try:
+            summary["modes"][spec.name], all_records[spec.name] = run_mode(
+                spec, workload, out, sla, client or {}, factory, warmup)
+        except Exception as e:  # noqa: BLE001 - one broken mode must not lose the others
+            traceback.print_exc()
+            summary["modes"][spec.name] = {"error": f"{type(e).__name__}: {e}",
+                                           "config": spec.config_path, "overrides": spec.overrides}
+        _write_json(out / "summary.json", summary)   # after each mode: partial results survive
+    summary["baseline"] = report.pick_baseline(summary, baseline)
+    if plots:
+        summary["figures"] = _plots(out, all_records, workload)
+    _write_json(out / "summary.json", summary)
+    (out / "report.md").write_text(report.render_markdown(summary))
+    return summary
+
+
+def _plots(out: Path, all_records: dict[str, list[RequestRecord]], workload: Workload) -> list[str]:
+    try:
+        from pdd.bench import plots
+        return plots.write_all(out, all_records, workload)
+    except Exception:  # noqa: BLE001 - figures are a bonus; numbers are already written
+        traceback.print_exc()
+        return []
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(clean(obj), indent=2) + "\n")
+    tmp.replace(path)

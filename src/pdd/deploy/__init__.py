@@ -1,0 +1,1 @@
+"""Deployment files, topology, and `pdd up` / `pdd down`."""

@@ -1,0 +1,231 @@
+"""Start and stop a whole deployment on this machine.
+
+`Deployment.start(path)` prepares the model once, writes a fresh shared
+secret, starts the WAN relays, every instance and the router (each its own
+process group, logs under the run directory), waits until all answer
+/health, and records their pids. `stop()` (and `pdd down`) ends exactly
+those process groups: SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdd.deploy.spec import DeploymentSpec, load_spec
+from pdd.deploy.topology import relay_mappings
+
+
+class DeploymentError(RuntimeError):
+    pass
+
+
+def default_run_dir(config_path: Path, cache_dir: Path) -> Path:
+    digest = hashlib.sha256(str(config_path.resolve()).encode()).hexdigest()[:10]
+    return cache_dir / "run" / f"{config_path.stem}-{digest}"
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    url: str                 # health URL
+    log: Path
+    bearer: str | None = None   # the WAN relay's control API wants the secret
+
+
+@dataclass
+class Deployment:
+    spec: DeploymentSpec
+    run_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.spec.router_host}:{self.spec.router_port}/v1"
+
+    @property
+    def cost_per_hour(self) -> float:
+        return self.spec.cost_per_hour
+
+    def wan_control_url(self, k: int = 0) -> str:
+        link = self.spec.links[k]
+        return f"http://{link.relay_host}:{link.control_port}"
+
+    @property
+    def secret(self) -> bytes:
+        return (self.run_dir / "secret").read_bytes().strip()
+
+    # -- start ----------------------------------------------------------------
+    @classmethod
+    def start(cls, config_path: str | Path, overrides: dict | None = None, run_dir: Path | None = None,
+              cache_dir: Path | None = None, timeout_s: float = 300.0) -> "Deployment":
+        from pdd.model.loader import default_cache_dir, resolve_model_path
+
+        config_path = Path(config_path)
+        spec = load_spec(config_path, overrides)
+        cache_dir = cache_dir or default_cache_dir()
+        resolve_model_path(spec.model, cache_dir)      # convert once, before any process needs it
+        run_dir = Path(run_dir) if run_dir else default_run_dir(config_path, cache_dir)
+        if (run_dir / "pids.json").exists():
+            stop_recorded(run_dir)
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        secret_file = run_dir / "secret"
+        secret_file.write_text(secrets.token_hex(32))
+        secret_file.chmod(0o600)
+        _check_ports_free(spec)
+        dep = cls(spec, run_dir)
+        base = [sys.executable, "-m", "pdd.cli"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PDD_CACHE": str(cache_dir)}
+        try:
+            for k, link in enumerate(spec.links):
+                cmd = base + ["wan", "--host", link.relay_host, "--rate-mbps", str(link.bandwidth_mbps),
+                              "--latency-ms", str(link.latency_ms), "--jitter-ms", str(link.jitter_ms),
+                              "--control-port", str(link.control_port), "--secret-file", str(secret_file)]
+                for lp, host, tp in relay_mappings(spec, link):
+                    cmd += ["--listen", f"{lp}:{host}:{tp}"]
+                dep._spawn(f"wan{k}", cmd, f"http://{link.relay_host}:{link.control_port}/health", env,
+                           bearer=secret_file.read_text().strip())
+            extra = ["--override", json.dumps(overrides)] if overrides else []
+            for inst in spec.instances:
+                cmd = base + ["serve", "-c", str(config_path), "--name", inst.name,
+                              "--secret-file", str(secret_file), "--cache", str(cache_dir)] + extra
+                dep._spawn(inst.name, cmd, f"http://{inst.host}:{inst.port}/health", env)
+            dep._wait_healthy(timeout_s, [p for p in dep.procs])
+            cmd = base + ["serve", "-c", str(config_path), "--router", "--secret-file", str(secret_file),
+                          "--cache", str(cache_dir)] + extra
+            dep._spawn("router", cmd, f"http://{spec.router_host}:{spec.router_port}/health", env)
+            dep._wait_healthy(timeout_s, dep.procs[-1:])
+        except BaseException:
+            dep.stop()
+            raise
+        return dep
+
+    def _spawn(self, name: str, cmd: list[str], url: str, env: dict, bearer: str | None = None) -> None:
+        log = self.run_dir / "logs" / f"{name}.log"
+        with open(log, "wb") as f:
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, env=env)
+        self.procs.append(Proc(name, p.pid, url, log, bearer))
+        self._record()
+
+    def _record(self) -> None:
+        data = [{"name": p.name, "pid": p.pid, "log": str(p.log)} for p in self.procs]
+        (self.run_dir / "pids.json").write_text(json.dumps({"config": str(self.spec.source), "procs": data}))
+
+    def _wait_healthy(self, timeout_s: float, procs: list[Proc]) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(procs)
+        while pending:
+            for p in list(pending):
+                if not _alive(p.pid):
+                    raise DeploymentError(f"{p.name} exited during start-up; log {p.log}:\n{_tail(p.log)}")
+                if _healthy(p.url, p.bearer):
+                    pending.remove(p)
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"not healthy within {timeout_s:.0f} s: {[p.name for p in pending]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        stop_recorded(self.run_dir)
+        self.procs.clear()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _healthy(url: str, bearer: str | None = None) -> bool:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {bearer}"} if bearer else {})
+    try:
+        with urllib.request.urlopen(req, timeout=1.0) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _check_ports_free(spec: DeploymentSpec) -> None:
+    wanted = [(spec.router_host, spec.router_port)]
+    for i in spec.instances:
+        wanted += [(i.host, i.port), (i.host, i.kv_port)]
+    for link in spec.links:
+        wanted.append((link.relay_host, link.control_port))
+        wanted += [(link.relay_host, lp) for lp, _, _ in relay_mappings(spec, link)]
+    for host, port in wanted:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                raise DeploymentError(f"port {host}:{port} is already in use (another deployment up?)") from None
+
+
+def stop_recorded(run_dir: Path, grace_s: float = 10.0) -> list[str]:
+    """Stop the process groups recorded in run_dir/pids.json; return their names."""
+    f = run_dir / "pids.json"
+    if not f.exists():
+        return []
+    procs = json.loads(f.read_text())["procs"]
+    live = [p for p in procs if _is_ours(p["pid"])]
+    for p in reversed(live):                       # router first, relays last
+        _signal_group(p["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p["pid"]) for p in live):
+        time.sleep(0.1)
+    for p in live:
+        if _alive(p["pid"]):
+            _signal_group(p["pid"], signal.SIGKILL)
+    for p in live:
+        for _ in range(50):
+            if not _alive(p["pid"]):
+                break
+            time.sleep(0.05)
+    f.unlink(missing_ok=True)
+    return [p["name"] for p in live]
+
+
+def _is_ours(pid: int) -> bool:
+    """Guards against a recycled pid: the process must be one of ours."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"pdd.cli" in cmd
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,252 @@
+"""The deployment file: one TOML describing model, instances, links, policy.
+
+Validated once at the entry point into frozen dataclasses; every error names
+the offending field (e.g. `instances[2].role`). The same file works when the
+instances run on different hosts: each instance has its own host and ports,
+and `pdd serve -c FILE --name X` starts just that one.
+"""
+
+from __future__ import annotations
+
+import enum
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from pdd.engine.config import EngineConfig
+
+
+class SpecError(ValueError):
+    pass
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+    RELAY = "relay"      # RelayDecode: datacenter A, beside P
+    MAIN = "main"        # MainDecode: datacenter B, behind the WAN
+
+    @property
+    def decodes(self) -> bool:
+        return self in (Role.DECODE, Role.RELAY, Role.MAIN)
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    name: str
+    role: Role
+    datacenter: str
+    host: str
+    port: int
+    kv_port: int
+    cost_per_hour: float = 1.0
+    cpu: int | None = None            # pin the process to this core
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    a: str                            # client side datacenter
+    b: str                            # server side datacenter (its instances are reached via the relay)
+    bandwidth_mbps: float = 400.0
+    latency_ms: float = 20.0          # one way
+    jitter_ms: float = 5.0
+    cost_per_hour: float = 0.0
+    relay_host: str = "127.0.0.1"
+    relay_port_base: int = 8400
+    control_port: int = 8399
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    name: str
+    model: str = "default"
+    router_host: str = "127.0.0.1"
+    router_port: int = 8100
+    router_datacenter: str = "A"
+    instances: tuple[InstanceSpec, ...] = ()
+    links: tuple[LinkSpec, ...] = ()
+    policy: dict = field(default_factory=dict)
+    request_timeout_s: float = 300.0
+    kv_deadline_s: float = 60.0
+    source: Path | None = None
+
+    @property
+    def mode(self) -> str:
+        roles = {i.role for i in self.instances}
+        if Role.COLOCATED in roles:
+            return "colocated"
+        if Role.MAIN in roles:
+            return "pdd"
+        p_dcs = {i.datacenter for i in self.instances if i.role == Role.PREFILL}
+        d_dcs = {i.datacenter for i in self.instances if i.role == Role.DECODE}
+        return "pd-local" if d_dcs <= p_dcs else "pd-wan"
+
+    @property
+    def cost_per_hour(self) -> float:
+        return sum(i.cost_per_hour for i in self.instances) + sum(l.cost_per_hour for l in self.links)
+
+    def instance(self, name: str) -> InstanceSpec:
+        for i in self.instances:
+            if i.name == name:
+                return i
+        raise SpecError(f"no instance named {name!r} in {self.source or self.name}")
+
+    def by_role(self, *roles: Role) -> list[InstanceSpec]:
+        return [i for i in self.instances if i.role in roles]
+
+    def link_between(self, a: str, b: str) -> LinkSpec | None:
+        return next((l for l in self.links if {l.a, l.b} == {a, b}), None)
+
+
+# -- parsing -------------------------------------------------------------------
+def _take(d: dict, key: str, typ, where: str, default: Any = ...):
+    if key not in d:
+        if default is ...:
+            raise SpecError(f"{where}.{key} is required")
+        return default
+    v = d[key]
+    if typ is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, typ) or isinstance(v, bool) and typ is not bool:
+        raise SpecError(f"{where}.{key} must be {typ.__name__}, got {v!r}")
+    return v
+
+
+def _unknown(d: dict, allowed: set[str], where: str) -> None:
+    extra = set(d) - allowed
+    if extra:
+        raise SpecError(f"{where}: unknown field(s) {sorted(extra)}; allowed: {sorted(allowed)}")
+
+
+def _engine(d: dict, base: EngineConfig, where: str) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    _unknown(d, names, where)
+    try:
+        return replace(base, **d)
+    except (TypeError, ValueError) as e:
+        raise SpecError(f"{where}: {e}") from None
+
+
+def _port(d: dict, key: str, where: str, default: Any = ...) -> int:
+    v = _take(d, key, int, where, default)
+    if not 0 < v < 65536:
+        raise SpecError(f"{where}.{key} must be a TCP port, got {v}")
+    return v
+
+
+def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
+    _unknown(doc, {"name", "model", "router", "engine", "instances", "links", "policy", "timeouts"}, "deployment")
+    name = _take(doc, "name", str, "deployment", source.stem if source else "deployment")
+    model = doc.get("model", {})
+    if not isinstance(model, dict):
+        raise SpecError("model must be a table with a `path` field")
+    _unknown(model, {"path"}, "model")
+    base_engine = _engine(doc.get("engine", {}), EngineConfig(), "engine")
+    router = doc.get("router", {})
+    _unknown(router, {"host", "port", "datacenter"}, "router")
+    instances = []
+    raw = doc.get("instances")
+    if not isinstance(raw, list) or not raw:
+        raise SpecError("instances: at least one [[instances]] entry is required")
+    for k, d in enumerate(raw):
+        w = f"instances[{k}]"
+        _unknown(d, {f.name for f in fields(InstanceSpec)}, w)
+        role_s = _take(d, "role", str, w)
+        try:
+            role = Role(role_s)
+        except ValueError:
+            raise SpecError(f"{w}.role must be one of {[r.value for r in Role]}, got {role_s!r}") from None
+        cpu = d.get("cpu")
+        if cpu is not None and (not isinstance(cpu, int) or cpu < 0):
+            raise SpecError(f"{w}.cpu must be a core number >= 0, got {cpu!r}")
+        cost = _take(d, "cost_per_hour", float, w, 1.0)
+        if cost < 0:
+            raise SpecError(f"{w}.cost_per_hour must be >= 0")
+        instances.append(InstanceSpec(
+            name=_take(d, "name", str, w), role=role, datacenter=_take(d, "datacenter", str, w, "A"),
+            host=_take(d, "host", str, w, "127.0.0.1"), port=_port(d, "port", w),
+            kv_port=_port(d, "kv_port", w), cost_per_hour=cost, cpu=cpu,
+            engine=_engine(d.get("engine", {}), base_engine, f"{w}.engine"),
+        ))
+    links = []
+    for k, d in enumerate(doc.get("links", [])):
+        w = f"links[{k}]"
+        _unknown(d, {f.name for f in fields(LinkSpec)}, w)
+        link = LinkSpec(
+            a=_take(d, "a", str, w), b=_take(d, "b", str, w),
+            bandwidth_mbps=_take(d, "bandwidth_mbps", float, w, 400.0),
+            latency_ms=_take(d, "latency_ms", float, w, 20.0), jitter_ms=_take(d, "jitter_ms", float, w, 5.0),
+            cost_per_hour=_take(d, "cost_per_hour", float, w, 0.0),
+            relay_host=_take(d, "relay_host", str, w, "127.0.0.1"),
+            relay_port_base=_port(d, "relay_port_base", w, 8400), control_port=_port(d, "control_port", w, 8399),
+        )
+        if link.bandwidth_mbps <= 0 or link.latency_ms < 0 or link.jitter_ms < 0:
+            raise SpecError(f"{w}: bandwidth must be > 0, latency and jitter >= 0")
+        links.append(link)
+    timeouts = doc.get("timeouts", {})
+    _unknown(timeouts, {"request_s", "kv_deadline_s"}, "timeouts")
+    spec = DeploymentSpec(
+        name=name, model=_take(model, "path", str, "model", "default"),
+        router_host=_take(router, "host", str, "router", "127.0.0.1"),
+        router_port=_port(router, "port", "router", 8100),
+        router_datacenter=_take(router, "datacenter", str, "router", "A"),
+        instances=tuple(instances), links=tuple(links), policy=dict(doc.get("policy", {})),
+        request_timeout_s=_take(timeouts, "request_s", float, "timeouts", 300.0),
+        kv_deadline_s=_take(timeouts, "kv_deadline_s", float, "timeouts", 60.0),
+        source=source,
+    )
+    _check_topology(spec)
+    try:
+        from pdd.policy.config import PolicyConfig
+
+        PolicyConfig.from_dict(spec.policy)
+    except (TypeError, ValueError) as e:
+        raise SpecError(f"policy: {e}") from None
+    return spec
+
+
+def _check_topology(spec: DeploymentSpec) -> None:
+    names = [i.name for i in spec.instances]
+    if len(set(names)) != len(names):
+        raise SpecError(f"instances: names must be unique, got {names}")
+    ports = [(i.host, p) for i in spec.instances for p in (i.port, i.kv_port)] + [(spec.router_host, spec.router_port)]
+    if len(set(ports)) != len(ports):
+        raise SpecError("instances: every port (port, kv_port, router.port) must be distinct")
+    roles = {i.role for i in spec.instances}
+    if Role.COLOCATED in roles and roles != {Role.COLOCATED}:
+        raise SpecError("instances: colocated instances cannot be mixed with other roles")
+    if roles & {Role.DECODE, Role.RELAY, Role.MAIN} and Role.PREFILL not in roles:
+        raise SpecError("instances: decode/relay/main instances need at least one prefill instance")
+    if Role.PREFILL in roles and not roles & {Role.DECODE, Role.RELAY, Role.MAIN}:
+        raise SpecError("instances: prefill instances need a decode, relay or main instance")
+    if Role.DECODE in roles and roles & {Role.RELAY, Role.MAIN}:
+        raise SpecError("instances: use either decode (PD baselines) or relay+main (PDD), not both")
+    if Role.RELAY in roles and Role.MAIN not in roles:
+        raise SpecError("instances: relay instances need a main instance")
+    dcs = {i.datacenter for i in spec.instances}
+    for i in spec.instances:
+        if i.datacenter != spec.router_datacenter and spec.link_between(spec.router_datacenter, i.datacenter) is None:
+            raise SpecError(f"instance {i.name!r} is in datacenter {i.datacenter!r} but no [[links]] joins it to "
+                            f"{spec.router_datacenter!r}")
+    for k, l in enumerate(spec.links):
+        if l.a not in dcs | {spec.router_datacenter} or l.b not in dcs:
+            raise SpecError(f"links[{k}] joins unknown datacenters {l.a!r}-{l.b!r}")
+
+
+def load_spec(path: str | Path, overrides: dict | None = None) -> DeploymentSpec:
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"deployment file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path}: invalid TOML: {e}") from None
+    for key, val in (overrides or {}).items():
+        if isinstance(val, dict):
+            doc[key] = {**doc.get(key, {}), **val}
+        else:
+            doc[key] = val
+    return parse_spec(doc, path)

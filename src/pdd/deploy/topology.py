@@ -1,0 +1,44 @@
+"""Who reaches whom, and how: direct inside a datacenter, via the WAN relay
+between datacenters. Each WAN link's relay exposes every instance of its far
+datacenter (`b`) on two ports: HTTP at base + 2k, KV at base + 2k + 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdd.deploy.spec import DeploymentSpec, InstanceSpec, LinkSpec
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str
+    port: int        # HTTP API
+    kv_port: int     # KV receiver
+    link: str        # "local" or "wan"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def far_side(spec: DeploymentSpec, link: LinkSpec) -> list[InstanceSpec]:
+    return [i for i in spec.instances if i.datacenter == link.b]
+
+
+def address(spec: DeploymentSpec, inst: InstanceSpec, from_dc: str) -> Address:
+    if from_dc == inst.datacenter:
+        return Address(inst.host, inst.port, inst.kv_port, "local")
+    link = spec.link_between(from_dc, inst.datacenter)
+    if link is None or link.b != inst.datacenter:
+        raise ValueError(f"no WAN link from {from_dc!r} into {inst.datacenter!r} for {inst.name!r}")
+    k = far_side(spec, link).index(inst)
+    return Address(link.relay_host, link.relay_port_base + 2 * k, link.relay_port_base + 2 * k + 1, "wan")
+
+
+def relay_mappings(spec: DeploymentSpec, link: LinkSpec) -> list[tuple[int, str, int]]:
+    """(listen_port, target_host, target_port) for the link's relay."""
+    out = []
+    for k, inst in enumerate(far_side(spec, link)):
+        out.append((link.relay_port_base + 2 * k, inst.host, inst.port))
+        out.append((link.relay_port_base + 2 * k + 1, inst.host, inst.kv_port))
+    return out

@@ -1,0 +1,1 @@
+"""One inference engine: paged KV, prefix cache, continuous batching, extend, KV export/import."""

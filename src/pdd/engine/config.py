@@ -1,0 +1,28 @@
+"""Engine settings: one frozen dataclass, checked once, passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 1024              # KV pool size; tokens = num_blocks * block_size
+    max_num_seqs: int = 32              # running requests per step
+    max_num_batched_tokens: int = 512   # per-step token budget (chunked prefill)
+    max_model_len: int | None = None    # default: the model's max positions
+    enable_prefix_cache: bool = True
+    num_threads: int = 1
+    dtype: str = "float32"
+    step_log_size: int = 100_000
+
+    def __post_init__(self):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "num_threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"engine.{name} must be a positive integer, got {v!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"engine.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("engine.max_num_batched_tokens must be >= engine.block_size")

@@ -1,0 +1,107 @@
+"""KV blocks as bytes: the identity a peer must match, and a self-checking blob.
+
+A transfer carries a KVManifest (model identity, layout, the token ids of the
+full blocks and their chained hashes) and one payload per block. The receiver
+checks the identity and re-derives every hash from the token ids, so KV from
+another model, dtype or layout, or for other tokens, is refused with a clear
+error instead of silently corrupting a cache.
+
+Blob layout (export_kv / import_kv): b"PDDKV1" | u32 header length | header
+JSON | payloads of the listed blocks, concatenated; the header carries a
+SHA-256 of the payload bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import asdict, dataclass
+
+from pdd.engine.hashing import hash_blocks
+
+MAGIC = b"PDDKV1"
+
+
+class KVImportError(ValueError):
+    """KV bytes that do not belong to this engine (model, layout, checksum)."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model_id: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def block_bytes(self) -> int:
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class KVManifest:
+    layout: KVLayout
+    token_ids: tuple[int, ...]     # tokens of the full blocks, in order
+    block_hashes: tuple[bytes, ...]
+
+    def to_meta(self) -> dict:
+        return {"layout": asdict(self.layout), "token_ids": list(self.token_ids)}
+
+    @classmethod
+    def from_meta(cls, meta: dict, block_hashes: list[bytes]) -> "KVManifest":
+        try:
+            layout = KVLayout(**meta["layout"])
+            token_ids = tuple(int(t) for t in meta["token_ids"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise KVImportError(f"malformed KV metadata: {e}") from None
+        return cls(layout, token_ids, tuple(block_hashes))
+
+    def check_against(self, local: KVLayout) -> None:
+        for field in ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim"):
+            theirs, ours = getattr(self.layout, field), getattr(local, field)
+            if theirs != ours:
+                raise KVImportError(f"KV {field} mismatch: sender has {theirs!r}, this engine {ours!r}")
+        bs = local.block_size
+        if len(self.token_ids) != len(self.block_hashes) * bs:
+            raise KVImportError(
+                f"KV manifest covers {len(self.token_ids)} tokens but lists {len(self.block_hashes)} blocks"
+            )
+        expected = hash_blocks(list(self.token_ids), bs, local.model_id.encode())
+        if tuple(expected) != self.block_hashes:
+            raise KVImportError("KV block hashes do not match their token ids")
+
+
+def encode_blob(manifest: KVManifest, indices: list[int], payloads: list[bytes]) -> bytes:
+    body = b"".join(payloads)
+    header = manifest.to_meta() | {
+        "block_hashes": [h.hex() for h in manifest.block_hashes],
+        "indices": indices,
+        "sha256": hashlib.sha256(body).hexdigest(),
+    }
+    hb = json.dumps(header).encode()
+    return MAGIC + struct.pack("<I", len(hb)) + hb + body
+
+
+def decode_blob(blob: bytes, local: KVLayout) -> tuple[KVManifest, list[int], list[bytes]]:
+    if len(blob) < 10 or blob[:6] != MAGIC:
+        raise KVImportError("not a PDD KV blob (bad magic)")
+    (hlen,) = struct.unpack("<I", blob[6:10])
+    try:
+        header = json.loads(blob[10 : 10 + hlen])
+        hashes = [bytes.fromhex(h) for h in header["block_hashes"]]
+        indices = [int(i) for i in header["indices"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise KVImportError(f"malformed KV blob header: {e}") from None
+    manifest = KVManifest.from_meta(header, hashes)
+    manifest.check_against(local)
+    body = blob[10 + hlen :]
+    if hashlib.sha256(body).hexdigest() != header.get("sha256"):
+        raise KVImportError("KV blob checksum mismatch (corrupted payload)")
+    n = local.block_bytes
+    if len(body) != n * len(indices) or any(not 0 <= i < len(hashes) for i in indices):
+        raise KVImportError("KV blob payload size or block indices do not match its header")
+    return manifest, indices, [body[i * n : (i + 1) * n] for i in range(len(indices))]

@@ -1,0 +1,75 @@
+"""Carries out a StepPlan with the model over the paged KV tensors.
+
+Owns the KV storage: one tensor [L, 2, num_blocks * block_size, KVH, D]; a
+block is the slot range [b * block_size, (b + 1) * block_size). It also reads
+and writes whole blocks as bytes for KV export and import.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdd.engine.config import EngineConfig
+from pdd.engine.paged_attention import PagedAttention, build_metadata
+from pdd.engine.sampler import sample
+from pdd.engine.scheduler import StepPlan
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, model, model_cfg, cfg: EngineConfig):
+        self.model = model
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        self.kv = torch.zeros(
+            model_cfg.num_layers, 2, cfg.num_blocks * cfg.block_size,
+            model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype,
+        )  # [L, 2, S, KVH, D]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv[:, :, : self.cfg.block_size].numel() * self.kv.element_size()
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[int | None]:
+        """Runs one forward pass; returns a sampled token per seq (None if not sampled)."""
+        ids, pos, seqs = [], [], []
+        for s in plan.seqs:
+            r = s.request
+            ids.extend(r.token_ids[s.start : s.start + s.num_tokens])
+            pos.extend(range(s.start, s.start + s.num_tokens))
+            seqs.append((s.start, s.num_tokens, r.block_ids))
+        md = build_metadata(seqs, self.cfg.block_size)
+        hidden = self.model.forward(
+            torch.tensor(ids), torch.tensor(pos), PagedAttention(self.kv, md)
+        )  # [T, hidden]
+        last, params, positions, rows = [], [], [], []
+        tok = 0
+        for i, s in enumerate(plan.seqs):
+            tok += s.num_tokens
+            if s.sample:
+                last.append(tok - 1)
+                params.append(s.request.sampling)
+                positions.append(s.start + s.num_tokens)
+                rows.append(i)
+        out: list[int | None] = [None] * len(plan.seqs)
+        if last:
+            logits = self.model.compute_logits(hidden[torch.tensor(last)])  # [N, V]
+            for i, t in zip(rows, sample(logits, params, positions)):
+                out[i] = t
+        return out
+
+    # -- whole blocks as bytes ------------------------------------------------
+    def _block_view(self, block_id: int) -> torch.Tensor:
+        bs = self.cfg.block_size
+        return self.kv[:, :, block_id * bs : (block_id + 1) * bs]  # [L, 2, bs, KVH, D]
+
+    def read_block(self, block_id: int) -> bytes:
+        return self._block_view(block_id).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def write_block(self, block_id: int, payload: bytes) -> None:
+        view = self._block_view(block_id)
+        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(view.shape)
+        view.copy_(src)

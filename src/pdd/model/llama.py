@@ -1,0 +1,248 @@
+"""Our Llama forward pass (gpt-fast style), free of batching, paging and caches.
+
+A flattened list of T tokens goes in, with their absolute positions; attention
+is a callback supplied by the caller (the engine's paged attention, or
+`pdd.model.reference.ContiguousAttention`):
+
+    attention(layer_idx, q[T, H, D], k[T, KVH, D], v[T, KVH, D]) -> out[T, H, D]
+
+q and k reach the callback after RoPE. The callback owns the KV cache and the
+masking (which tokens see which), so one forward can mix tokens of many
+requests.
+
+Numerics follow HF `LlamaForCausalLM`: RMSNorm in fp32, RoPE with the
+`rotate_half` convention computed in fp32, SiLU-gated MLP.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+class WeightLoadError(ValueError):
+    """An HF state dict does not fit the model config."""
+
+
+# ---------------------------------------------------------------------- RoPE
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies [D/2] (fp32), with HF's 'linear' / 'llama3' scaling."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d)
+    )
+    rs = cfg.rope_scaling_dict()
+    rt = rs.get("rope_type")
+    if rt == "linear":
+        inv_freq = inv_freq / rs["factor"]
+    elif rt == "llama3":
+        factor = rs["factor"]
+        low, high = rs["low_freq_factor"], rs["high_freq_factor"]
+        old_len = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif rt is not None:  # pragma: no cover - ModelConfig validates this
+        raise ValueError(f"unsupported rope_type {rt!r}")
+    return inv_freq
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, N, D] any dtype; cos/sin: [T, 1, D] fp32 -> result in x.dtype
+    if x.dtype == torch.float32:
+        return x * cos + rotate_half(x) * sin
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+# ---------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, hidden]; statistics in fp32 exactly as HF LlamaRMSNorm
+        in_dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(in_dtype)
+
+
+def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # torch.empty: no random init (weights come from load_state_dict_hf)
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.inter = cfg.intermediate_size
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.wqkv = _empty_param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype)
+        self.wo = _empty_param(cfg.hidden_size, self.q_size, dtype=dtype)
+        self.w_gate_up = _empty_param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+        self.w_down = _empty_param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionFn) -> Tensor:
+        # x: [T, hidden]
+        T = x.shape[0]
+        h = self.input_layernorm(x)
+        qkv = F.linear(h, self.wqkv)  # qkv: [T, (H + 2*KVH) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # q: [T, H, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # k: [T, KVH, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # v: [T, KVH, D]
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        o = attention(self.layer_idx, q, k, v)  # o: [T, H, D]
+        x = x + F.linear(o.reshape(T, self.q_size), self.wo)  # [T, hidden]
+        h = self.post_attention_layernorm(x)
+        gate_up = F.linear(h, self.w_gate_up)  # gate_up: [T, 2*I]
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w_down)  # [T, hidden]
+
+
+class LlamaModel(nn.Module):
+    """Llama decoder. `forward` returns final-normed hidden states; `compute_logits` the fp32 logits."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = _empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaBlock(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _empty_param(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype
+        )
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._build_rope_cache(cfg.max_position_embeddings)
+
+    # ------------------------------------------------------------------ RoPE cache
+    def _build_rope_cache(self, n: int) -> None:
+        pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [n, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+        # cos/sin: [n, 1, D] fp32 (the 1 broadcasts over heads)
+        self.register_buffer("rope_cos", emb.cos().unsqueeze(1), persistent=False)
+        self.register_buffer("rope_sin", emb.sin().unsqueeze(1), persistent=False)
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        if positions.numel():
+            top = int(positions.max())
+            if top >= self.rope_cos.shape[0]:
+                # beyond max_position_embeddings: grow (quality is the model's business)
+                self._build_rope_cache(max(top + 1, 2 * self.rope_cos.shape[0]))
+        return self.rope_cos[positions], self.rope_sin[positions]  # [T, 1, D] each
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
+        """input_ids, positions: LongTensor[T] -> final-normed hidden [T, hidden]."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and positions must be 1-D of equal length, got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        cos, sin = self._rope(positions)
+        x = F.embedding(input_ids, self.embed_tokens)  # x: [T, hidden]
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, w).float()
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_state_dict_hf(self, tensors: Mapping[str, Tensor]) -> None:
+        """Load HF Llama per-matrix weights (fusing q/k/v and gate/up).
+
+        Raises WeightLoadError naming every missing or mis-shaped tensor.
+        Unknown extra tensors (e.g. rotary inv_freq) are ignored;
+        lm_head.weight is ignored when the embeddings are tied.
+        """
+        cfg = self.cfg
+        H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        problems: list[str] = []
+
+        def get(name: str, shape: tuple[int, ...]) -> Tensor | None:
+            t = tensors.get(name)
+            if t is None:
+                problems.append(f"missing {name}")
+                return None
+            if tuple(t.shape) != shape:
+                problems.append(f"{name}: shape {tuple(t.shape)}, expected {shape}")
+                return None
+            return t
+
+        plan: list[tuple[Tensor, list[Tensor | None]]] = []
+        plan.append((self.embed_tokens, [get("model.embed_tokens.weight", (V, H))]))
+        plan.append((self.norm.weight, [get("model.norm.weight", (H,))]))
+        if self.lm_head is not None:
+            plan.append((self.lm_head, [get("lm_head.weight", (V, H))]))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            plan.append((layer.input_layernorm.weight, [get(p + "input_layernorm.weight", (H,))]))
+            plan.append(
+                (layer.post_attention_layernorm.weight, [get(p + "post_attention_layernorm.weight", (H,))])
+            )
+            plan.append(
+                (
+                    layer.wqkv,
+                    [
+                        get(p + "self_attn.q_proj.weight", (cfg.q_size, H)),
+                        get(p + "self_attn.k_proj.weight", (cfg.kv_size, H)),
+                        get(p + "self_attn.v_proj.weight", (cfg.kv_size, H)),
+                    ],
+                )
+            )
+            plan.append((layer.wo, [get(p + "self_attn.o_proj.weight", (H, cfg.q_size))]))
+            plan.append(
+                (
+                    layer.w_gate_up,
+                    [get(p + "mlp.gate_proj.weight", (I, H)), get(p + "mlp.up_proj.weight", (I, H))],
+                )
+            )
+            plan.append((layer.w_down, [get(p + "mlp.down_proj.weight", (H, I))]))
+        extra_layers = sorted(
+            {n for n in tensors if n.startswith("model.layers.") and int(n.split(".")[2]) >= cfg.num_layers}
+        )
+        if extra_layers:
+            problems.append(
+                f"state dict has layers beyond num_layers={cfg.num_layers}: e.g. {extra_layers[0]}"
+            )
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; ... ({len(problems)} problems)" if len(problems) > 8 else "")
+            raise WeightLoadError(f"HF weights do not match the config: {shown}")
+        for dst, srcs in plan:
+            off = 0
+            for s in srcs:
+                assert s is not None
+                n = s.shape[0]
+                dst[off : off + n].copy_(s)
+                off += n

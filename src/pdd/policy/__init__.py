@@ -1,0 +1,25 @@
+"""Pure serving policy shared by the router and the simulator.
+
+No torch, no asyncio, no sockets, no clock: snapshots in (frozen
+dataclasses, `now` in seconds), decisions out.
+"""
+
+from pdd.policy.config import HandoffOverride, PolicyConfig
+from pdd.policy.filter import predict_abnormal, should_cancel_wan, warm_tokens_after_cancel
+from pdd.policy.handoff import (
+    Abandon, Complete, HandoffAction, HandoffError, HandoffMode, HandoffSession, HandoffState,
+    SendBatch, choose_handoff_mode, new_session,
+)
+from pdd.policy.link_estimator import EstimatorConfig, LinkEstimator
+from pdd.policy.pipeline import NoRouteError, Pipeline, PipelineDecision, choose_pipeline
+from pdd.policy.routing import pick_instance, score_instance
+from pdd.policy.views import ClusterView, InstanceView, LinkEstimate, RequestFacts, Role
+
+__all__ = [
+    "Abandon", "ClusterView", "Complete", "EstimatorConfig", "HandoffAction", "HandoffError",
+    "HandoffMode", "HandoffOverride", "HandoffSession", "HandoffState", "InstanceView",
+    "LinkEstimate", "LinkEstimator", "NoRouteError", "Pipeline", "PipelineDecision",
+    "PolicyConfig", "RequestFacts", "Role", "SendBatch", "choose_handoff_mode",
+    "choose_pipeline", "new_session", "pick_instance", "predict_abnormal", "score_instance",
+    "should_cancel_wan", "warm_tokens_after_cancel",
+]

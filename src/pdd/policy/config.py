@@ -1,0 +1,83 @@
+"""Every threshold of the policy in one frozen dataclass, checked once.
+
+Built at the entry point (router config, simulator TOML) and passed down;
+nothing below reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+
+
+class HandoffOverride(Enum):
+    AUTO = "auto"            # choose per handoff from RLD's live load
+    ONE_SHOT = "one_shot"
+    CATCH_UP = "catch_up"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    # --- pipeline choice -------------------------------------------------
+    # DIRECT (P->MD) when MD is estimated to hold the prompt KV within this
+    # many seconds of prefill: a relay would emit at most a handful of tokens.
+    direct_max_wan_s: float = 0.5
+    enable_drc: bool = True           # MD keeps a prefix cache (decode-side RadixCache)
+    md_reachable: bool = True         # operator switch: False forces RELAY_ONLY ("wan down")
+
+    # --- routing score: saved prefill tokens - load penalty (in tokens) ---
+    # One running request costs roughly a decode slot; a queued one delays
+    # this request by a whole prefill, so it weighs far more.
+    penalty_tokens_per_running: float = 256.0
+    penalty_tokens_per_waiting: float = 4096.0
+    penalty_tokens_kv_full: float = 2048.0   # scaled by the instance's KV used fraction
+
+    # --- abnormal-traffic filter ----------------------------------------
+    enable_filter: bool = True
+    # Abnormal when RLD's whole output, stretched by this factor, still ends
+    # before the WAN copy lands (>= 1: only clear cases skip the WAN).
+    filter_margin: float = 1.25
+    rld_tpot_prior_s: float = 0.05    # RLD step time before it has reported one
+    # A cancelled/skipped transfer's shared prefix is warmed on MD later only
+    # when P has seen it reused by at least this many other requests.
+    warm_min_prefix_reuses: int = 2
+
+    # --- handoff ---------------------------------------------------------
+    handoff_mode: HandoffOverride = HandoffOverride.AUTO
+    catchup_threshold_tokens: int = 64
+    catchup_final_max_tokens: int = 8
+    catchup_max_batches: int = 4      # non-final batches before forcing the final one
+    rld_busy_fraction: float = 0.75
+
+    def __post_init__(self) -> None:
+        if isinstance(self.handoff_mode, str):
+            object.__setattr__(self, "handoff_mode", HandoffOverride(self.handoff_mode))
+        if self.direct_max_wan_s < 0:
+            raise ValueError("direct_max_wan_s must be >= 0")
+        for name in ("penalty_tokens_per_running", "penalty_tokens_per_waiting",
+                     "penalty_tokens_kv_full"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.filter_margin < 1.0:
+            raise ValueError("filter_margin must be >= 1.0 (RLD must clearly finish first)")
+        if self.rld_tpot_prior_s <= 0:
+            raise ValueError("rld_tpot_prior_s must be > 0")
+        if self.warm_min_prefix_reuses < 0:
+            raise ValueError("warm_min_prefix_reuses must be >= 0")
+        if self.catchup_final_max_tokens < 0:
+            raise ValueError("catchup_final_max_tokens must be >= 0")
+        if self.catchup_threshold_tokens < self.catchup_final_max_tokens:
+            raise ValueError("catchup_threshold_tokens must be >= catchup_final_max_tokens")
+        if self.catchup_max_batches < 1:
+            raise ValueError("catchup_max_batches must be >= 1")
+        if not 0.0 < self.rld_busy_fraction <= 1.0:
+            raise ValueError("rld_busy_fraction must be in (0, 1]")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PolicyConfig":
+        """From a TOML table; unknown keys are an error, not a silent no-op."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown policy keys: {sorted(unknown)}")
+        return cls(**d)

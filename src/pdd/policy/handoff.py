@@ -1,0 +1,212 @@
+"""Extend-decode handoff from RLD to MD, as a sans-I/O state machine.
+
+RLD streams eager tokens while MD's copy of the prompt KV crosses the WAN.
+When MD reports that KV ready, RLD hands over only the *token ids* it
+generated; MD recomputes their KV in one extend pass and continues decoding.
+
+Lifecycle of one `HandoffSession` (one per relayed request)::
+
+    AWAITING_MD --on_md_ready--> EXTENDING --on_batch_extended--> EXTENDING ...
+         |                |                         |
+         |                +--(final batch)----------+--> FINAL_IN_FLIGHT
+         |                                                   |
+         |                                      on_batch_extended
+         |                                                   v
+         +--on_rld_finished--> ENDED_ON_RLD                 DONE
+    (any live state) --on_failed--> FAILED
+
+Actions returned to the data plane:
+
+* `SendBatch(start, end, final)`: send token ids [start, end) to MD for an
+  extend. When `final`, RLD stops generating at `end` (it has produced
+  exactly `end` tokens) and MD takes over the stream after its extend.
+* `Complete(upto)`: MD has extended through `upto` and owns the stream; RLD
+  frees the request's KV and slot.
+* `Abandon(resume_at, reason)`: the handoff is off; RLD keeps (or resumes)
+  decoding from `resume_at`, MD drops the request.
+
+One-shot: a single final batch of all eager tokens at `on_md_ready`; RLD
+stops decoding at once (shortest RLD occupancy, one bigger extend on MD).
+Catch-up: a non-final batch of what RLD has so far while RLD keeps decoding;
+then, after each extend, the tokens generated meanwhile, until the gap is at
+most `catchup_final_max_tokens` (or `catchup_max_batches` non-final batches
+were sent, so a slow MD cannot keep RLD busy forever); then a final batch.
+Several small stalls, none of them perceptible.
+
+RLD keeps the request's KV until `Complete`, so a failed extend falls back
+to RLD (`Abandon` with `resume_at` = what MD had been promised).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from pdd.policy.config import HandoffOverride, PolicyConfig
+from pdd.policy.views import InstanceView
+
+
+class HandoffMode(Enum):
+    ONE_SHOT = "one_shot"
+    CATCH_UP = "catch_up"
+
+
+class HandoffState(Enum):
+    AWAITING_MD = "awaiting_md"
+    EXTENDING = "extending"              # a non-final batch is being extended on MD
+    FINAL_IN_FLIGHT = "final_in_flight"  # RLD stopped; MD extends the last batch
+    DONE = "done"
+    ENDED_ON_RLD = "ended_on_rld"        # RLD finished the request first
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (HandoffState.DONE, HandoffState.ENDED_ON_RLD, HandoffState.FAILED)
+
+
+class HandoffError(RuntimeError):
+    """An event that is illegal in the session's current state."""
+
+
+@dataclass(frozen=True)
+class SendBatch:
+    start: int
+    end: int
+    final: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Complete:
+    upto: int
+
+
+@dataclass(frozen=True)
+class Abandon:
+    resume_at: int
+    reason: str
+
+
+HandoffAction = SendBatch | Complete | Abandon
+
+
+def choose_handoff_mode(num_eager_tokens: int, rld: InstanceView, cfg: PolicyConfig) -> HandoffMode:
+    """Catch-up for many eager tokens while RLD has room; one-shot otherwise.
+
+    A busy RLD wants its slot back now (one-shot); an idle one can afford to
+    keep decoding so that MD's stalls stay small (catch-up).
+    """
+    if num_eager_tokens < 0:
+        raise ValueError("num_eager_tokens must be >= 0")
+    if cfg.handoff_mode is HandoffOverride.ONE_SHOT:
+        return HandoffMode.ONE_SHOT
+    if cfg.handoff_mode is HandoffOverride.CATCH_UP:
+        return HandoffMode.CATCH_UP
+    has_room = rld.num_requests < cfg.rld_busy_fraction * rld.max_batch
+    if num_eager_tokens > cfg.catchup_threshold_tokens and has_room:
+        return HandoffMode.CATCH_UP
+    return HandoffMode.ONE_SHOT
+
+
+class HandoffSession:
+    def __init__(self, request_id: str, mode: HandoffMode, cfg: PolicyConfig) -> None:
+        self.request_id = request_id
+        self.mode = mode
+        self.cfg = cfg
+        self.state = HandoffState.AWAITING_MD
+        self._batches: list[SendBatch] = []
+        self._last_generated = 0
+        self.md_ready_s: float | None = None
+        self.done_s: float | None = None
+
+    # --- read-only facts --------------------------------------------------
+    @property
+    def batches_sent(self) -> tuple[SendBatch, ...]:
+        return tuple(self._batches)
+
+    @property
+    def rld_stop_at(self) -> int | None:
+        """Where RLD must stop generating, once the final batch is out."""
+        last = self._batches[-1] if self._batches else None
+        return last.end if last and last.final else None
+
+    @property
+    def in_flight(self) -> SendBatch | None:
+        live = (HandoffState.EXTENDING, HandoffState.FINAL_IN_FLIGHT)
+        return self._batches[-1] if self.state in live else None
+
+    # --- events -------------------------------------------------------------
+    def on_md_ready(self, now: float, num_generated: int) -> SendBatch:
+        """MD holds the prompt KV; RLD has generated `num_generated` tokens."""
+        self._expect(HandoffState.AWAITING_MD, "on_md_ready")
+        self._advance(num_generated)
+        self.md_ready_s = now
+        final = (self.mode is HandoffMode.ONE_SHOT
+                 or num_generated <= self.cfg.catchup_final_max_tokens)
+        return self._send(0, num_generated, final)
+
+    def on_batch_extended(self, now: float, upto: int, num_generated: int) -> SendBatch | Complete:
+        """MD extended through `upto`; RLD has generated `num_generated` so far."""
+        batch = self.in_flight
+        if batch is None:
+            raise HandoffError(f"{self.request_id}: on_batch_extended in state {self.state.name}")
+        if upto != batch.end:
+            raise HandoffError(f"{self.request_id}: MD extended to {upto}, "
+                               f"batch in flight ends at {batch.end}")
+        self._advance(num_generated)
+        if batch.final:
+            if num_generated != batch.end:
+                raise HandoffError(f"{self.request_id}: RLD generated {num_generated} tokens "
+                                   f"after being told to stop at {batch.end}")
+            self.state = HandoffState.DONE
+            self.done_s = now
+            return Complete(upto)
+        num_non_final = len(self._batches)
+        final = (num_generated - upto <= self.cfg.catchup_final_max_tokens
+                 or num_non_final >= self.cfg.catchup_max_batches)
+        return self._send(upto, num_generated, final)
+
+    def on_rld_finished(self, now: float, num_generated: int) -> Abandon:
+        """RLD ended the request (EOS or max_tokens) before the final batch."""
+        if self.state not in (HandoffState.AWAITING_MD, HandoffState.EXTENDING):
+            raise HandoffError(f"{self.request_id}: on_rld_finished in state {self.state.name}")
+        self._advance(num_generated)
+        self.state = HandoffState.ENDED_ON_RLD
+        self.done_s = now
+        return Abandon(num_generated, "request ended on RLD")
+
+    def on_failed(self, now: float, reason: str) -> Abandon:
+        """MD or the link failed: RLD keeps the stream from what it had sent."""
+        if self.state.terminal:
+            raise HandoffError(f"{self.request_id}: on_failed in state {self.state.name}")
+        stopped = self.rld_stop_at
+        self.state = HandoffState.FAILED
+        self.done_s = now
+        return Abandon(self._last_generated if stopped is None else stopped, reason)
+
+    # --- internals ----------------------------------------------------------
+    def _expect(self, state: HandoffState, event: str) -> None:
+        if self.state is not state:
+            raise HandoffError(f"{self.request_id}: {event} in state {self.state.name}, "
+                               f"expected {state.name}")
+
+    def _advance(self, num_generated: int) -> None:
+        if num_generated < self._last_generated:
+            raise HandoffError(f"{self.request_id}: num_generated went back from "
+                               f"{self._last_generated} to {num_generated}")
+        self._last_generated = num_generated
+
+    def _send(self, start: int, end: int, final: bool) -> SendBatch:
+        batch = SendBatch(start, end, final)
+        self._batches.append(batch)
+        self.state = HandoffState.FINAL_IN_FLIGHT if final else HandoffState.EXTENDING
+        return batch
+
+
+def new_session(request_id: str, num_eager_tokens: int, rld: InstanceView,
+                cfg: PolicyConfig) -> HandoffSession:
+    """A session with its mode chosen from RLD's load at MD-ready time."""
+    return HandoffSession(request_id, choose_handoff_mode(num_eager_tokens, rld, cfg), cfg)

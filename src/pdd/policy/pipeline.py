@@ -1,0 +1,114 @@
+"""Which pipeline serves a request: P->MD, P->RLD->MD, or (filtered) RLD only.
+
+Decision order, over one ClusterView snapshot:
+
+1. P by cache affinity against load (`pick_instance` over PREFILL).
+2. MD by the same rule over MAIN (DECODE when there is no MAIN: the in-DC
+   and naive cross-DC PD baselines use the same call and get DIRECT).
+3. WAN down (operator switch or the link estimate) -> RELAY_ONLY "wan down".
+4. Bytes MD lacks = prompt blocks MD does not hold (all of them without DRC);
+   est_wan_s = rtt + bytes / measured throughput. Measured, not a constant
+   hit rate: a 99%-hit request on a congested line can still be slow.
+5. The filter: RLD would finish the whole output before the copy lands ->
+   RELAY_ONLY, no WAN transfer.
+6. est_wan_s <= direct_max_wan_s -> DIRECT: MD holds the KV about as soon
+   as an RLD could have mattered.
+7. Otherwise RELAY with the least-loaded RLD that has room; none -> DIRECT.
+
+There is deliberately no plain P->RLD pipeline for low-hit requests: low-hit
+requests are the ones with the longest transfers, and finishing them on RLD
+would make a small pool do the bulk decoding of exactly the costliest
+requests; its batch fills, TPOT rises, more requests miss the MD handoff
+window and stay on RLD, and the pool collapses. RLD only ever holds a
+request until MD takes over (or, filtered, for a handful of tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from pdd.policy.config import PolicyConfig
+from pdd.policy.filter import predict_abnormal
+from pdd.policy.routing import pick_instance
+from pdd.policy.views import ClusterView, InstanceView, RequestFacts, Role
+
+
+class Pipeline(Enum):
+    DIRECT = "direct"            # P -> MD
+    RELAY = "relay"              # P -> RLD (eager tokens) -> MD (extend-decode handoff)
+    RELAY_ONLY = "relay_only"    # RLD to the end, no WAN transfer (filter or WAN down)
+
+
+class NoRouteError(RuntimeError):
+    """No instance can take the request (no P, or WAN down and no RLD)."""
+
+
+@dataclass(frozen=True)
+class PipelineDecision:
+    pipeline: Pipeline
+    p_id: str
+    rld_id: str | None
+    md_id: str | None       # for RELAY_ONLY by the filter: the MD it would have gone to
+    start_wan: bool         # start the P -> MD KV transfer
+    missing_bytes: int      # KV bytes MD lacks (0 when unknown: WAN down)
+    est_wan_s: float        # inf when the WAN is down
+    reason: str
+
+
+def rld_has_room(rld: InstanceView, req: RequestFacts) -> bool:
+    """A free batch slot and KV blocks for the prompt plus the whole output."""
+    need = -(-(req.num_prompt_tokens + req.max_tokens) // req.block_size)
+    return rld.num_requests < rld.max_batch and rld.kv_free_blocks >= need
+
+
+def rld_tpot_s(rld: InstanceView, cfg: PolicyConfig) -> float:
+    return rld.step_time_s if rld.step_time_s and rld.step_time_s > 0 else cfg.rld_tpot_prior_s
+
+
+def _pick_rld(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) -> InstanceView | None:
+    free = [r for r in cluster.with_role(Role.RELAY) if rld_has_room(r, req)]
+    if not free:
+        return None
+    # RLD receives the whole prompt KV over the fast path: no cache affinity.
+    return cluster.instance(pick_instance(free, {}, req.num_prompt_tokens, cluster.now, cfg))
+
+
+def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) -> PipelineDecision:
+    prefills = cluster.with_role(Role.PREFILL)
+    if not prefills:
+        raise NoRouteError("no prefill instance")
+    n = req.num_prompt_tokens
+    p_id = pick_instance(prefills, cluster.matched_tokens, n, cluster.now, cfg)
+    rld = _pick_rld(req, cluster, cfg)
+    rld_id = rld.instance_id if rld else None
+
+    mds = cluster.with_role(Role.MAIN) or cluster.with_role(Role.DECODE)
+    if not mds or not cfg.md_reachable or not cluster.wan.usable:
+        if rld is None:
+            # Queue on the least-loaded RLD rather than fail: room frees up.
+            rlds = cluster.with_role(Role.RELAY)
+            if not rlds:
+                raise NoRouteError("WAN down and no relay-decode instance")
+            rld_id = pick_instance(rlds, {}, n, cluster.now, cfg)
+        return PipelineDecision(Pipeline.RELAY_ONLY, p_id, rld_id, None, False, 0, math.inf,
+                                "wan down")
+
+    md_matched = {m.instance_id: cluster.matched(m.instance_id) for m in mds} if cfg.enable_drc else {}
+    md_id = pick_instance(mds, md_matched, n, cluster.now, cfg)
+    missing = req.missing_kv_bytes(md_matched.get(md_id, 0))
+    est = cluster.wan.transfer_s(missing)
+
+    if rld is not None and predict_abnormal(req, est, rld_tpot_s(rld, cfg), cfg):
+        return PipelineDecision(Pipeline.RELAY_ONLY, p_id, rld_id, md_id, False, missing, est,
+                                f"abnormal: {req.max_tokens} tokens end on RLD before "
+                                f"the KV lands ({est:.3f}s)")
+    if est <= cfg.direct_max_wan_s:
+        return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est,
+                                f"wan {est:.3f}s <= {cfg.direct_max_wan_s}s")
+    if rld is None:
+        why = "no relay-decode instance" if not cluster.with_role(Role.RELAY) else "relay pool full"
+        return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why)
+    return PipelineDecision(Pipeline.RELAY, p_id, rld_id, md_id, True, missing, est,
+                            f"wan {est:.3f}s > {cfg.direct_max_wan_s}s")

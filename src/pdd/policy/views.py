@@ -1,0 +1,137 @@
+"""Facts the data plane reports, as the policy sees them.
+
+Every policy function takes a snapshot built from these frozen dataclasses;
+none of them reads a clock or a socket. The router builds them from the
+instances' stats endpoints, the simulator from its own state, so both feed
+the very same decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Role(Enum):
+    PREFILL = "prefill"        # P: computes prompt KV, emits the first token
+    DECODE = "decode"          # D of a plain (in-DC or naive cross-DC) PD pair
+    COLOCATED = "colocated"    # prefill and decode on one instance (baseline)
+    RELAY = "relay"            # RLD: beside P, decodes eagerly while MD's KV is in flight
+    MAIN = "main"              # MD: remote datacenter, decodes the bulk of the tokens
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    instance_id: str
+    role: Role
+    datacenter: str
+    num_running: int
+    num_waiting: int
+    max_batch: int
+    kv_free_blocks: int
+    kv_total_blocks: int
+    # Recent mean wall time of one decode step (a measured fact); None when the
+    # instance has not decoded yet and the policy should use its prior.
+    step_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if min(self.num_running, self.num_waiting, self.kv_free_blocks) < 0:
+            raise ValueError(f"{self.instance_id}: negative load or free blocks")
+        if self.max_batch <= 0:
+            raise ValueError(f"{self.instance_id}: max_batch must be positive")
+        if not 0 <= self.kv_free_blocks <= self.kv_total_blocks:
+            raise ValueError(f"{self.instance_id}: kv_free_blocks outside [0, total]")
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @property
+    def load_fraction(self) -> float:
+        """Requests held per batch slot; above 1.0 the instance queues."""
+        return self.num_requests / self.max_batch
+
+    @property
+    def kv_used_fraction(self) -> float:
+        if self.kv_total_blocks == 0:
+            return 1.0
+        return 1.0 - self.kv_free_blocks / self.kv_total_blocks
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """What a link is believed to deliver to one new transfer right now."""
+
+    throughput_bytes_s: float
+    rtt_s: float
+    up: bool = True
+
+    def __post_init__(self) -> None:
+        if self.throughput_bytes_s < 0 or self.rtt_s < 0:
+            raise ValueError("link estimate must be non-negative")
+
+    @property
+    def usable(self) -> bool:
+        return self.up and self.throughput_bytes_s > 0
+
+    def transfer_s(self, num_bytes: int) -> float:
+        """One handshake round trip plus the bytes at the estimated rate."""
+        if not self.usable:
+            return math.inf
+        return self.rtt_s + num_bytes / self.throughput_bytes_s
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    kv_bytes_per_token: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens <= 0 or self.max_tokens <= 0:
+            raise ValueError(f"{self.request_id}: prompt and max_tokens must be positive")
+        if self.kv_bytes_per_token <= 0 or self.block_size <= 0:
+            raise ValueError(f"{self.request_id}: kv_bytes_per_token and block_size must be positive")
+
+    @property
+    def num_prompt_blocks(self) -> int:
+        return -(-self.num_prompt_tokens // self.block_size)
+
+    def missing_kv_bytes(self, num_matched_tokens: int) -> int:
+        """KV bytes a holder of `num_matched_tokens` cached prefix tokens lacks.
+
+        Counted in whole blocks, as they travel: only full cached blocks are
+        reusable, and the partial last block of the prompt travels whole.
+        """
+        matched_blocks = min(max(num_matched_tokens, 0), self.num_prompt_tokens) // self.block_size
+        missing_blocks = self.num_prompt_blocks - matched_blocks
+        return missing_blocks * self.block_size * self.kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    instances: tuple[InstanceView, ...]
+    # instance_id -> longest cached prefix of *this request* the instance holds, in tokens
+    matched_tokens: Mapping[str, int]
+    wan: LinkEstimate
+    now: float
+    _by_id: dict[str, InstanceView] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_id = {inst.instance_id: inst for inst in self.instances}
+        if len(by_id) != len(self.instances):
+            raise ValueError("duplicate instance_id in ClusterView")
+        object.__setattr__(self, "_by_id", by_id)
+
+    def with_role(self, *roles: Role) -> tuple[InstanceView, ...]:
+        return tuple(i for i in self.instances if i.role in roles)
+
+    def instance(self, instance_id: str) -> InstanceView:
+        return self._by_id[instance_id]
+
+    def matched(self, instance_id: str) -> int:
+        return self.matched_tokens.get(instance_id, 0)

@@ -1,0 +1,1 @@
+"""Instance servers (prefill, decode, colocated, relay, main) and the router."""

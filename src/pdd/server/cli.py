@@ -1,0 +1,97 @@
+"""`pdd serve`: run one instance (or the router) of a deployment file.
+
+`pdd up` starts one of these per instance; on a multi-host deployment run
+`pdd serve -c deploy.toml --name NAME --secret-file F` on each host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", required=True, help="deployment TOML")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--name", help="instance name to run")
+    g.add_argument("--router", action="store_true", help="run the router")
+    p.add_argument("--secret-file", required=True, help="file holding the deployment's shared secret")
+    p.add_argument("--cache", default=None, help="model cache dir (default $PDD_CACHE or ~/.cache/pdd)")
+    p.add_argument("--override", default=None, help="JSON overrides of the deployment file (used by pdd bench)")
+    p.add_argument("--log-level", default="WARNING")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from pdd.deploy.spec import load_spec
+    from pdd.model.loader import default_cache_dir, resolve_model_path
+    from pdd.server.http_auth import read_secret
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec = load_spec(args.config, json.loads(args.override) if args.override else None)
+    secret = read_secret(args.secret_file)
+    cache = Path(args.cache) if args.cache else default_cache_dir()
+    model_dir = resolve_model_path(spec.model, cache)
+    if args.router:
+        return asyncio.run(_serve_router(spec, secret, model_dir))
+    return asyncio.run(_serve_instance(spec, spec.instance(args.name), secret, model_dir))
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _serve_instance(spec, inst, secret: bytes, model_dir: Path) -> int:
+    import torch
+
+    from pdd.engine.engine import Engine
+    from pdd.model.loader import load_model
+    from pdd.model.tokenizer import Tokenizer
+    from pdd.server.instance import InstanceServer
+
+    if inst.cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {inst.cpu % os.cpu_count()})
+    torch.set_num_threads(inst.engine.num_threads)
+    model, cfg = load_model(model_dir)
+    try:
+        tok = Tokenizer(model_dir)
+    except Exception:   # a token-id-only model (tiny test model) still serves ids
+        tok = None
+    engine = Engine(model, cfg, inst.engine, tokenizer=tok)
+    server = InstanceServer(spec, inst, secret, engine)
+    runner = await server.start()
+    print(f"{inst.name} ({inst.role.value}) ready on http://{inst.host}:{inst.port}", flush=True)
+    try:
+        await _wait_for_signal()
+    finally:
+        await server.close()
+        await runner.cleanup()
+    return 0
+
+
+async def _serve_router(spec, secret: bytes, model_dir: Path) -> int:
+    from aiohttp import web
+
+    from pdd.model.loader import read_model_config
+    from pdd.model.tokenizer import Tokenizer
+    from pdd.server.router import RouterServer
+
+    router = RouterServer(spec, secret, Tokenizer(model_dir), read_model_config(model_dir), model_dir.name)
+    runner = web.AppRunner(router.app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, spec.router_host, spec.router_port).start()
+    print(f"router: http://{spec.router_host}:{spec.router_port}/v1", flush=True)
+    try:
+        await _wait_for_signal()
+    finally:
+        await runner.cleanup()
+    return 0

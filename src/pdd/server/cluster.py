@@ -1,0 +1,104 @@
+"""The router's view of the deployment: addresses, live load, WAN estimate.
+
+Load comes from polling every instance's /internal/stats; between polls the
+router counts what it dispatched itself, so a burst does not all land on the
+instance that looked idle a moment ago. Prefix matches are asked per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from pdd.deploy.spec import DeploymentSpec, InstanceSpec, Role
+from pdd.deploy.topology import Address, address
+from pdd.policy import ClusterView, InstanceView, LinkEstimate, LinkEstimator, PolicyConfig
+from pdd.policy import Role as PolicyRole
+from pdd.server.wire import InternalClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    spec: InstanceSpec
+    http: Address           # as the router reaches it
+    view: InstanceView
+    healthy: bool = True
+    in_flight: int = 0      # dispatched by this router and not yet finished
+
+
+class Cluster:
+    def __init__(self, spec: DeploymentSpec, client: InternalClient, policy: PolicyConfig):
+        self.spec, self.client, self.policy = spec, client, policy
+        self.members: dict[str, Member] = {}
+        for inst in spec.instances:
+            view = InstanceView(inst.name, PolicyRole(inst.role.value), inst.datacenter, 0, 0,
+                                inst.engine.max_num_seqs, inst.engine.num_blocks, inst.engine.num_blocks)
+            self.members[inst.name] = Member(inst, address(spec, inst, spec.router_datacenter), view)
+        wan = spec.links[0] if spec.links else None
+        self.wan = LinkEstimator.from_line(
+            (wan.bandwidth_mbps if wan else 10_000.0) * 1e6, (wan.latency_ms if wan else 0.1) / 1e3
+        )
+        self.wan_up = True
+
+    def kv_address(self, target: str, from_instance: str) -> Address:
+        """Where `from_instance` sends KV to reach `target`."""
+        src = self.members[from_instance].spec
+        return address(self.spec, self.members[target].spec, src.datacenter)
+
+    def role(self, *roles: Role) -> list[Member]:
+        return [m for m in self.members.values() if m.spec.role in roles]
+
+    # -- live load ---------------------------------------------------------------
+    async def refresh(self) -> None:
+        async def one(m: Member) -> None:
+            try:
+                s = await self.client.get(m.http.url, "/internal/stats", timeout_s=2.0)
+            except Exception as e:  # an unreachable instance stays in the view, marked unhealthy
+                m.healthy = False
+                log.debug("stats from %s failed: %r", m.spec.name, e)
+                return
+            m.healthy = True
+            m.view = replace(m.view, num_running=int(s["num_running"]), num_waiting=int(s["num_waiting"]),
+                             kv_free_blocks=int(s["kv_free_blocks"]), kv_total_blocks=int(s["kv_total_blocks"]),
+                             step_time_s=s.get("decode_step_s"))
+
+        await asyncio.gather(*(one(m) for m in self.members.values()))
+
+    async def poll_forever(self, interval_s: float = 0.5) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(interval_s)
+
+    def dispatched(self, name: str, delta: int) -> None:
+        self.members[name].in_flight = max(0, self.members[name].in_flight + delta)
+
+    def _view(self, m: Member) -> InstanceView:
+        # what the router itself sent beyond what the last poll saw counts as waiting
+        extra = max(0, m.in_flight - m.view.num_running - m.view.num_waiting)
+        return replace(m.view, num_waiting=m.view.num_waiting + extra)
+
+    # -- per request ---------------------------------------------------------------
+    async def matched_tokens(self, names: list[str], prompt_ids: list[int]) -> dict[str, int]:
+        async def one(name: str) -> tuple[str, int]:
+            m = self.members[name]
+            t0 = time.monotonic()
+            try:
+                r = await self.client.post(m.http.url, "/internal/match", {"prompt_ids": prompt_ids}, timeout_s=2.0)
+            except Exception:
+                return name, 0
+            if m.http.link == "wan":
+                self.wan.observe_rtt(time.monotonic(), time.monotonic() - t0)
+            return name, int(r.get("matched_tokens", 0))
+
+        return dict(await asyncio.gather(*(one(n) for n in names)))
+
+    def view(self, matched: dict[str, int], now: float) -> ClusterView:
+        members = [m for m in self.members.values() if m.healthy or m.spec.role == Role.PREFILL]
+        est = self.wan.estimate(now)
+        if not self.wan_up:
+            est = LinkEstimate(est.throughput_bytes_s, est.rtt_s, up=False)
+        return ClusterView(tuple(self._view(m) for m in members), matched, est, now)

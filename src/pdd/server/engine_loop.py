@@ -1,0 +1,127 @@
+"""Drives one Engine on its own thread and bridges it to asyncio.
+
+The engine is single-threaded; everything that touches it (submit, extend,
+abort, KV import, stats) runs as a command on the engine thread between two
+steps. Token events go back to the asyncio loop, into one queue per request.
+
+Lifecycle of a request's queue: created by `submit`, fed StepEvents, closed
+(None) after the finishing event, dropped by the caller when read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from pdd.engine.engine import Engine, StepEvent
+from pdd.engine.request import EngineRequest
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, idle_wait_s: float = 0.01):
+        self.engine = engine
+        self.loop = loop
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.busy_s = 0.0
+        self.started_s = time.monotonic()
+        self.on_step: Callable[[list[StepEvent]], None] | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    # -- called from asyncio ------------------------------------------------
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run fn(engine) on the engine thread; return its result (or raise its error)."""
+        fut = self.loop.create_future()
+        self._commands.put((fn, fut))
+        return await fut
+
+    async def submit(self, req: EngineRequest) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[req.request_id] = q
+        try:
+            await self.call(lambda e: e.submit(req))
+        except Exception:
+            self._queues.pop(req.request_id, None)
+            raise
+        return q
+
+    async def abort(self, request_id: str) -> None:
+        await self.call(lambda e: e.abort(request_id))
+        q = self._queues.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(StepEvent(request_id, finished=True, finish_reason="abort"))
+            q.put_nowait(None)
+
+    # -- engine thread ----------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_work)
+            if self._stop.is_set() or not self.engine.has_work:
+                continue
+            t0 = time.perf_counter()
+            try:
+                events = self.engine.step()
+            except Exception as e:  # a failed step must not hang its requests
+                events = self._fail_all(f"engine step failed: {e!r}")
+            self.busy_s += time.perf_counter() - t0
+            if events:
+                self.loop.call_soon_threadsafe(self._deliver, events)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=self.idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, fut = item
+            try:
+                res, err = fn(self.engine), None
+            except Exception as e:
+                res, err = None, e
+            self.loop.call_soon_threadsafe(_settle, fut, res, err)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_all(self, msg: str) -> list[StepEvent]:
+        out = []
+        for rid, req in list(self.engine.requests.items()):
+            if not req.status.finished:
+                self.engine.abort(rid)
+                out.append(StepEvent(rid, finished=True, finish_reason="error", error=msg))
+        return out
+
+    def _deliver(self, events: list[StepEvent]) -> None:
+        if self.on_step:
+            self.on_step(events)
+        for ev in events:
+            q = self._queues.get(ev.request_id)
+            if q is None:
+                continue
+            q.put_nowait(ev)
+            if ev.finished:
+                q.put_nowait(None)
+                del self._queues[ev.request_id]
+
+
+def _settle(fut: asyncio.Future, res: Any, err: Exception | None) -> None:
+    if fut.done():
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(res)

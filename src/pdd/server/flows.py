@@ -1,0 +1,223 @@
+"""How one request moves through the deployment, per mode.
+
+Each flow is an async generator of output token ids, in order, for one
+request; it records what happened on the RequestTrace and sets
+`ctx.finish_reason` (or raises FlowError with a clear message). The router
+turns the tokens into OpenAI responses.
+
+  colocated  router -> C (generate)
+  pd-*       router -> D (decode: waits for KV) and -> P (prefill, KV to D)
+  pdd        router -> policy: DIRECT (P -> MD), RELAY (P -> RLD + MD, handoff),
+             RELAY_ONLY (P -> RLD; the abnormal-traffic filter or WAN down)
+The PDD handoff itself lives in handoff_flow.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from pdd.deploy.spec import Role
+from pdd.engine.request import SamplingParams
+from pdd.server.cluster import Cluster, Member
+from pdd.server.trace import RequestTrace
+from pdd.server.wire import InternalClient, sampling_to_dict
+
+
+class FlowError(RuntimeError):
+    """The request cannot be completed; the message goes to the client."""
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    trace: RequestTrace
+    deadline_s: float
+    kv_bytes_per_token: int
+    block_size: int
+    finish_reason: str | None = None
+    tokens: list[int] = field(default_factory=list)
+
+    def emit(self, token_id: int, source: str) -> int:
+        """Commit one token to the user's stream (flows yield what this returns)."""
+        self.tokens.append(token_id)
+        self.trace.token(source)
+        return token_id
+
+    def remaining_s(self) -> float:
+        return max(0.1, self.deadline_s - time.monotonic())
+
+
+class Streams:
+    """Merges several NDJSON streams into one queue of (source, event)."""
+
+    def __init__(self, client: InternalClient):
+        self.client = client
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def open(self, source: str, member: Member, path: str, body: dict, timeout_s: float) -> None:
+        async def pump() -> None:
+            try:
+                async for ev in self.client.stream(member.http.url, path, body, timeout_s):
+                    await self.queue.put((source, ev))
+                    if ev.get("event") == "finished":
+                        return
+                await self.queue.put((source, {"event": "closed"}))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                await self.queue.put((source, {"event": "finished", "reason": "error",
+                                               "error": f"{member.spec.name} unreachable: {e!r}"}))
+
+        self.tasks[source] = asyncio.get_running_loop().create_task(pump())
+
+    def close(self, source: str) -> None:
+        t = self.tasks.pop(source, None)
+        if t is not None:
+            t.cancel()
+
+    async def next(self, ctx: RequestContext) -> tuple[str, dict]:
+        try:
+            return await asyncio.wait_for(self.queue.get(), ctx.remaining_s())
+        except asyncio.TimeoutError:
+            raise FlowError("request deadline exceeded") from None
+
+    def close_all(self) -> None:
+        for s in list(self.tasks):
+            self.close(s)
+
+
+def decode_body(ctx: RequestContext, hold: bool = False) -> dict:
+    return {"request_id": ctx.request_id, "prompt_ids": ctx.prompt_ids,
+            "sampling": sampling_to_dict(ctx.sampling), "hold": hold, "kv_timeout_s": ctx.remaining_s()}
+
+
+def prefill_body(ctx: RequestContext, cluster: Cluster, p: Member, targets: list[Member]) -> dict:
+    return {"request_id": ctx.request_id, "prompt_ids": ctx.prompt_ids,
+            "sampling": sampling_to_dict(ctx.sampling),
+            "targets": [target(cluster, p, t, ctx) for t in targets]}
+
+
+def target(cluster: Cluster, p: Member, t: Member, ctx: RequestContext) -> dict:
+    a = cluster.kv_address(t.spec.name, p.spec.name)
+    return {"name": t.spec.name, "host": a.host, "kv_port": a.kv_port, "link": a.link,
+            "deadline_s": min(cluster.spec.kv_deadline_s, ctx.remaining_s())}
+
+
+def note_prefill(ctx: RequestContext, ev: dict) -> None:
+    ctx.trace.cached_tokens = int(ev.get("cached_tokens", 0))
+    ctx.trace.uncached_kv_bytes = (len(ctx.prompt_ids) - ctx.trace.cached_tokens) * ctx.kv_bytes_per_token
+    ctx.trace.event("prefill_start", ts_abs=ev.get("prefill_start"))
+    ctx.trace.event("prefill_end", first_token=ev.get("token"))
+
+
+def note_transfer(ctx: RequestContext, ev: dict, cluster: Cluster) -> None:
+    link = ev.get("link", "local")
+    if ev.get("ok"):
+        if link == "wan":
+            ctx.trace.wan_bytes += int(ev.get("payload_bytes", 0))
+            if ev.get("elapsed_s"):
+                cluster.wan.observe(time.monotonic(), int(ev.get("payload_bytes", 0)), float(ev["elapsed_s"]))
+        else:
+            ctx.trace.local_bytes += int(ev.get("payload_bytes", 0))
+        ctx.trace.kv_landed_s[ev["target"]] = ev.get("ts", time.time()) - ctx.trace.arrival_s
+    elif link == "wan":
+        ctx.trace.wan_bytes += int(ev.get("payload_bytes", 0))
+    ctx.trace.event("kv_transfer", **{k: ev.get(k) for k in
+                                      ("target", "link", "ok", "error", "payload_bytes", "blocks_sent",
+                                       "blocks_skipped", "elapsed_s")})
+
+
+async def colocated_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient) -> AsyncIterator[int]:
+    members = [m for m in cluster.role(Role.COLOCATED)]
+    matched = await cluster.matched_tokens([m.spec.name for m in members], ctx.prompt_ids) if len(members) > 1 else {}
+    from pdd.policy import pick_instance
+
+    view = cluster.view(matched, time.monotonic())
+    name = pick_instance(view.instances, matched, len(ctx.prompt_ids), view.now, cluster.policy)
+    c = cluster.members[name]
+    ctx.trace.instances["colocated"] = name
+    streams = Streams(client)
+    body = {"request_id": ctx.request_id, "prompt_ids": ctx.prompt_ids, "sampling": sampling_to_dict(ctx.sampling)}
+    streams.open("c", c, "/internal/generate", body, ctx.remaining_s())
+    cluster.dispatched(name, +1)
+    try:
+        while True:
+            _, ev = await streams.next(ctx)
+            kind = ev.get("event")
+            if kind == "token":
+                yield ctx.emit(ev["t"], "colocated")
+            elif kind in ("finished", "closed"):
+                ctx.trace.cached_tokens = int(ev.get("cached_tokens", 0))
+                ctx.trace.uncached_kv_bytes = (len(ctx.prompt_ids) - ctx.trace.cached_tokens) * ctx.kv_bytes_per_token
+                finish(ctx, ev)
+                return
+    finally:
+        cluster.dispatched(name, -1)
+        streams.close_all()
+
+
+def finish(ctx: RequestContext, ev: dict) -> None:
+    if ev.get("event") == "closed" or ev.get("reason") in (None, "error", "abort"):
+        raise FlowError(ev.get("error") or f"instance stream ended early ({ev.get('reason')})")
+    ctx.finish_reason = ev["reason"]
+
+
+async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
+                  p: Member, d: Member, role_name: str = "d") -> AsyncIterator[int]:
+    """Prefill on P, KV to D, D decodes from the first token on (in-DC or naive cross-DC PD)."""
+    ctx.trace.instances |= {"p": p.spec.name, role_name: d.spec.name}
+    streams = Streams(client)
+    single = ctx.sampling.max_tokens == 1
+    if not single:
+        streams.open("d", d, "/internal/decode", decode_body(ctx), ctx.remaining_s())
+        cluster.dispatched(d.spec.name, +1)
+    streams.open("p", p, "/internal/prefill", prefill_body(ctx, cluster, p, [] if single else [d]),
+                 ctx.remaining_s())
+    try:
+        while True:
+            src, ev = await streams.next(ctx)
+            kind = ev.get("event")
+            if src == "p":
+                if kind == "prefilled":
+                    note_prefill(ctx, ev)
+                    if single or ev.get("stop"):
+                        ctx.finish_reason = "stop" if ev.get("stop") else "length"
+                        yield ctx.emit(ev["token"], "p")
+                        return
+                elif kind == "transfer":
+                    note_transfer(ctx, ev, cluster)
+                    if ev.get("ok"):
+                        await release(client, p, ctx)
+                elif kind in ("finished", "closed"):
+                    if not ctx.trace.token_times_s and kind == "finished":
+                        raise FlowError(f"prefill failed: {ev.get('error')}")
+            else:
+                if kind == "kv_ready":
+                    ctx.trace.event("kv_ready", instance=d.spec.name)
+                elif kind == "token":
+                    yield ctx.emit(ev["t"], role_name)
+                elif kind in ("finished", "closed"):
+                    finish(ctx, ev)
+                    return
+    finally:
+        if not single:
+            cluster.dispatched(d.spec.name, -1)
+        streams.close_all()
+
+
+async def release(client: InternalClient, p: Member, ctx: RequestContext) -> None:
+    try:
+        await client.post(p.http.url, "/internal/release", {"request_id": ctx.request_id}, timeout_s=5.0)
+    except Exception:
+        pass  # closing the prefill stream frees the KV as well
+
+
+def new_request_id() -> str:
+    return "cmpl-" + uuid.uuid4().hex[:24]

@@ -1,0 +1,307 @@
+"""One instance process: an Engine behind an internal HTTP API and, for the
+decoding roles, a KV receiver.
+
+Roles and their calls (all under /internal/, signed, see http_auth.py):
+  colocated   POST generate    prompt -> token stream
+  prefill     POST prefill     prompt -> first token, then KV sent to the targets
+              POST send/cancel/release   more targets, cancel one, free the KV
+  decode,     POST decode      wait for the prompt KV, then stream tokens
+  relay, main POST extend      append token ids made elsewhere (handoff)
+  all         POST abort, POST match (cached prefix length), GET stats
+Public: GET /health, GET /metrics (Prometheus text).
+
+KV arrival and the decode call may come in either order: whichever comes
+first creates the request's KVArrival, the other completes or awaits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from pdd.deploy.spec import DeploymentSpec, InstanceSpec, Role
+from pdd.engine.engine import Engine, InvalidRequestError
+from pdd.engine.hashing import hash_blocks
+from pdd.engine.kv_codec import KVImportError
+from pdd.engine.request import EngineRequest
+from pdd.server.engine_loop import EngineLoop
+from pdd.server.http_auth import internal_auth_middleware
+from pdd.server.instance_metrics import InstanceMetrics
+from pdd.server.prefill_job import PrefillJob
+from pdd.server.wire import NdjsonWriter, sampling_from_dict
+from pdd.transport.kv_receiver import KVReceiver
+from pdd.transport.kv_sender import KVSender
+from pdd.transport.state import TransferStatus
+
+log = logging.getLogger(__name__)
+
+
+def bad_request(msg: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": msg, "type": "invalid_request_error"}}, status=status)
+
+
+@dataclass
+class KVArrival:
+    """One request's incoming prompt KV (decode side)."""
+    done: asyncio.Future
+    created_s: float = field(default_factory=time.monotonic)
+    importer: object | None = None
+    status: TransferStatus | None = None
+
+
+class InstanceServer:
+    def __init__(self, spec: DeploymentSpec, inst: InstanceSpec, secret: bytes, engine: Engine):
+        self.spec, self.inst, self.secret, self.engine = spec, inst, secret, engine
+        self.loop: EngineLoop | None = None
+        self.receiver: KVReceiver | None = None
+        self.sender: KVSender | None = None
+        self.arrivals: dict[str, KVArrival] = {}
+        self.jobs: dict[str, PrefillJob] = {}
+        self.metrics = InstanceMetrics(inst.name, inst.role.value)
+        self.kv_reuse = bool(spec.policy.get("enable_drc", True))
+        self.app = web.Application(middlewares=[internal_auth_middleware(secret)], client_max_size=64 << 20)
+        r = self.app.router
+        r.add_get("/health", self.health)
+        r.add_get("/metrics", self.metrics_endpoint)
+        r.add_get("/internal/stats", self.stats)
+        r.add_post("/internal/match", self.match)
+        r.add_post("/internal/abort", self.abort)
+        if inst.role == Role.COLOCATED:
+            r.add_post("/internal/generate", self.generate)
+        if inst.role == Role.PREFILL:
+            r.add_post("/internal/prefill", self.prefill)
+            r.add_post("/internal/send", self.send_more)
+            r.add_post("/internal/cancel", self.cancel_transfer)
+            r.add_post("/internal/release", self.release)
+        if inst.role.decodes:
+            r.add_post("/internal/decode", self.decode)
+            r.add_post("/internal/extend", self.extend)
+
+    # -- lifecycle ----------------------------------------------------------
+    async def start(self) -> web.AppRunner:
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
+        self.loop.on_step = self.metrics.on_events
+        self.loop.start()
+        if self.inst.role.decodes:
+            self.receiver = await KVReceiver.start(self.inst.host, self.inst.kv_port, self.secret, self)
+        if self.inst.role == Role.PREFILL:
+            self.sender = KVSender(self.secret)
+        runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, self.inst.host, self.inst.port).start()
+        asyncio.get_running_loop().create_task(self._expire_arrivals())
+        return runner
+
+    async def close(self) -> None:
+        if self.receiver:
+            await self.receiver.close()
+        if self.sender:
+            await self.sender.close()
+        if self.loop:
+            self.loop.stop()
+
+    # -- public -----------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "name": self.inst.name, "role": self.inst.role.value})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        stats = await self.loop.call(lambda e: e.stats())
+        body = self.metrics.render(stats, self.loop.busy_s, time.monotonic() - self.loop.started_s)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        stats = await self.loop.call(lambda e: e.stats())
+        stats |= {"name": self.inst.name, "role": self.inst.role.value, "datacenter": self.inst.datacenter,
+                  "max_num_seqs": self.engine.cfg.max_num_seqs}
+        return web.json_response(stats)
+
+    async def match(self, request: web.Request) -> web.Response:
+        ids = (await request.json()).get("prompt_ids", [])
+        ns = self.engine.model_cfg.model_id.encode()
+        hashes = hash_blocks(ids, self.engine.cfg.block_size, ns)
+
+        def longest(e: Engine) -> int:
+            return len(e.pool.lookup_prefix(hashes)) * e.cfg.block_size
+
+        return web.json_response({"matched_tokens": await self.loop.call(longest)})
+
+    async def abort(self, request: web.Request) -> web.Response:
+        rid = str((await request.json()).get("request_id"))
+        await self.loop.abort(rid)
+        self._drop_arrival(rid)
+        return web.json_response({"aborted": rid})
+
+    # -- colocated --------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        try:
+            req = EngineRequest(str(body["request_id"]), list(body["prompt_ids"]),
+                                sampling_from_dict(body.get("sampling", {})))
+            q = await self.loop.submit(req)
+        except (InvalidRequestError, KeyError, TypeError, ValueError) as e:
+            return bad_request(str(e))
+        async with NdjsonWriter(request) as out:
+            await out.send({"event": "admitted", "ts": time.time()})
+            await self._stream_tokens(req.request_id, q, out)
+        return out.resp
+
+    async def _stream_tokens(self, rid: str, q: asyncio.Queue, out: NdjsonWriter) -> None:
+        """Forward engine events of one request until it finishes; abort it if the caller goes away."""
+        finished = False
+        try:
+            while (ev := await q.get()) is not None:
+                if ev.extended_upto is not None:
+                    await out.send({"event": "extended", "upto": ev.extended_upto, "ts": time.time()})
+                if ev.token_id is not None:
+                    await out.send({"event": "token", "i": ev.index, "t": ev.token_id, "ts": time.time()})
+                if ev.finished:
+                    finished = True
+                    req = self.engine.requests.get(rid)
+                    await out.send({"event": "finished", "reason": ev.finish_reason, "error": ev.error,
+                                    "cached_tokens": req.num_cached_tokens if req else 0, "ts": time.time()})
+        finally:
+            if not finished:
+                await self.loop.abort(rid)
+            await self.loop.call(lambda e: e.forget(rid))
+
+    # -- prefill ----------------------------------------------------------------
+    async def prefill(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        try:
+            job = PrefillJob.from_body(self, body)
+            self.jobs[job.request_id] = job
+            q = await self.loop.submit(job.engine_request())
+        except (InvalidRequestError, KeyError, TypeError, ValueError) as e:
+            self.jobs.pop(str(body.get("request_id")), None)
+            return bad_request(str(e))
+        async with NdjsonWriter(request) as out:
+            try:
+                await job.run(q, out)
+            finally:
+                self.jobs.pop(job.request_id, None)
+                await job.close()
+        return out.resp
+
+    async def send_more(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        job = self.jobs.get(str(body.get("request_id")))
+        if job is None:
+            return bad_request("no such prefill job (finished or released)", 404)
+        job.start_transfer(body["target"])
+        return web.json_response({"ok": True})
+
+    async def cancel_transfer(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        job = self.jobs.get(str(body.get("request_id")))
+        if job is not None:
+            job.cancel_transfer(str(body.get("target")), body.get("reason", "cancelled by router"))
+        return web.json_response({"ok": job is not None})
+
+    async def release(self, request: web.Request) -> web.Response:
+        job = self.jobs.get(str((await request.json()).get("request_id")))
+        if job is not None:
+            job.release()
+        return web.json_response({"ok": job is not None})
+
+    # -- decode side: KV receiver handler ------------------------------------------
+    def _arrival(self, rid: str) -> KVArrival:
+        a = self.arrivals.get(rid)
+        if a is None:
+            a = self.arrivals[rid] = KVArrival(asyncio.get_running_loop().create_future())
+        return a
+
+    def _drop_arrival(self, rid: str) -> None:
+        a = self.arrivals.pop(rid, None)
+        if a is not None and not a.done.done():
+            a.done.set_exception(RuntimeError("aborted"))
+            a.done.exception()  # mark retrieved
+        asyncio.get_running_loop().create_task(self.loop.call(lambda e: e._release_pins(rid)))
+
+    async def on_begin(self, request_id: str, meta: dict, block_hashes: list[bytes]) -> set[int]:
+        a = self._arrival(request_id)
+
+        def begin(e: Engine) -> set[int]:
+            a.importer = e.begin_import(meta, block_hashes, pin_for=request_id)
+            held = e.held_block_indices(block_hashes) if self.kv_reuse else set()
+            for i in sorted(held):                    # pin what we have so it cannot be evicted meanwhile
+                block = e.pool.hash_to_block[block_hashes[i]]
+                e.pool.acquire([block])
+                e._pin(request_id, block)
+            return held
+
+        return await self.loop.call(begin)
+
+    async def on_block(self, request_id: str, index: int, block_hash: bytes, payload: bytes) -> None:
+        a = self.arrivals.get(request_id)
+        if a is None or a.importer is None:
+            raise KVImportError(f"no transfer begun for {request_id}")
+        await self.loop.call(lambda e: a.importer.add_block(index, payload))
+
+    async def on_end(self, request_id: str, status: TransferStatus) -> None:
+        a = self.arrivals.get(request_id)
+        if a is None:
+            return
+        a.status = status
+        self.metrics.on_kv_received(status)
+        if not a.done.done():
+            if status.ok:
+                a.done.set_result(status)
+            else:
+                a.done.set_exception(RuntimeError(f"KV transfer failed: {status.error}"))
+
+    async def _expire_arrivals(self) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            now = time.monotonic()
+            for rid, a in list(self.arrivals.items()):
+                if now - a.created_s > self.spec.kv_deadline_s * 2 and rid not in self.engine.requests:
+                    self._drop_arrival(rid)
+
+    # -- decode side: requests -------------------------------------------------------
+    async def decode(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        try:
+            rid = str(body["request_id"])
+            prompt = list(body["prompt_ids"])
+            sampling = sampling_from_dict(body.get("sampling", {}))
+            hold = bool(body.get("hold", False))
+        except (KeyError, TypeError, ValueError) as e:
+            return bad_request(str(e))
+        timeout_s = float(body.get("kv_timeout_s", self.spec.kv_deadline_s))
+        arrival = self._arrival(rid)
+        async with NdjsonWriter(request) as out:
+            try:
+                status = await asyncio.wait_for(asyncio.shield(arrival.done), timeout_s)
+            except (asyncio.TimeoutError, RuntimeError) as e:
+                msg = str(e) or f"KV did not arrive within {timeout_s:.1f} s"
+                self._drop_arrival(rid)
+                await out.send({"event": "finished", "reason": "error", "error": msg, "ts": time.time()})
+                return out.resp
+            self.arrivals.pop(rid, None)
+            first = int(status.meta.get("first_token"))
+            await out.send({"event": "kv_ready", "ts": time.time(), "payload_bytes": status.payload_bytes,
+                            "blocks": status.num_blocks_sent, "skipped": status.num_blocks_skipped,
+                            "elapsed_s": status.elapsed_s})
+            try:
+                q = await self.loop.submit(EngineRequest(rid, prompt, sampling, output_ids=[first], hold=hold))
+            except InvalidRequestError as e:
+                await out.send({"event": "finished", "reason": "error", "error": str(e), "ts": time.time()})
+                return out.resp
+            if not hold:
+                await out.send({"event": "token", "i": 0, "t": first, "ts": time.time()})
+            await self._stream_tokens(rid, q, out)
+        return out.resp
+
+    async def extend(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        rid, final = str(body.get("request_id")), bool(body.get("final", True))
+        ids = [int(t) for t in body.get("token_ids", [])]
+        try:
+            await self.loop.call(lambda e: e.extend(rid, ids, final=final))
+        except InvalidRequestError as e:
+            return bad_request(str(e), 409)
+        return web.json_response({"ok": True})

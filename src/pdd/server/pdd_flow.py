@@ -1,0 +1,310 @@
+"""One request through PDD: pipeline choice, eager tokens, extend handoff.
+
+Lifecycle (the router is the only arbiter of which token the user sees):
+    decide (policy.choose_pipeline) -> open streams (RLD, MD, P with KV targets)
+    RLD streams eager tokens 0..k while MD's KV crosses the WAN
+    MD kv_ready -> HandoffSession: SendBatch* (token ids only) -> MD extends
+      final batch: RLD is paused at `stop_at`; tokens it made past that are
+      held back; MD's first sampled token is index `stop_at` -> MD owns the
+      stream (Complete), RLD's slot is freed
+    failures: MD or WAN fails before Complete -> Abandon: RLD resumes and
+      finishes (degraded, not lost). DIRECT (P->MD) whose transfer fails
+      before a token -> failover: P sends the KV to an RLD, which decodes.
+    filter: RLD finishing first (or predicted to) -> the WAN transfer is
+      cancelled (or never started).
+Every decision is taken by pdd.policy objects; this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from pdd.policy import (
+    Abandon, Complete, HandoffSession, Pipeline, RequestFacts, SendBatch, choose_handoff_mode,
+    choose_pipeline, should_cancel_wan,
+)
+from pdd.policy.pipeline import rld_tpot_s
+from pdd.server.cluster import Cluster, Member
+from pdd.server.flows import (
+    FlowError, RequestContext, Streams, decode_body, finish, note_prefill, note_transfer, prefill_body,
+    release, target,
+)
+from pdd.server.wire import InternalClient
+
+
+class PddRun:
+    def __init__(self, ctx: RequestContext, cluster: Cluster, client: InternalClient):
+        self.ctx, self.cluster, self.client = ctx, cluster, client
+        self.streams = Streams(client)
+        self.p: Member | None = None
+        self.rld: Member | None = None
+        self.md: Member | None = None
+        self.owner = "md"
+        self.session: HandoffSession | None = None
+        self.stop_at: int | None = None
+        self.held: dict[int, int] = {}          # RLD tokens past stop_at
+        self.md_ready_pending = False
+        self.md_live = False
+        self.transfers: dict[str, bool | None] = {}   # target -> ok (None: in flight)
+        self.md_ready_s: float | None = None
+        self.wan_started_s: float | None = None
+        self.est_wan_s = 0.0
+        self.first_token: int | None = None
+        self.out: list[int] = []                 # tokens committed by the last event, to yield
+
+    # -- setup ---------------------------------------------------------------
+    async def decide(self) -> Pipeline:
+        c, ctx = self.cluster, self.ctx
+        facts = RequestFacts(ctx.request_id, len(ctx.prompt_ids), ctx.sampling.max_tokens,
+                             ctx.kv_bytes_per_token, ctx.block_size)
+        names = [m.spec.name for m in c.members.values() if m.view.role.value in ("prefill", "main")]
+        matched = await c.matched_tokens(names, ctx.prompt_ids)
+        d = choose_pipeline(facts, c.view(matched, time.monotonic()), c.policy)
+        ctx.trace.pipeline, ctx.trace.pipeline_reason = d.pipeline.value, d.reason
+        ctx.trace.event("pipeline", pipeline=d.pipeline.value, reason=d.reason,
+                        missing_bytes=d.missing_bytes, est_wan_s=d.est_wan_s)
+        self.p = c.members[d.p_id]
+        self.rld = c.members[d.rld_id] if d.rld_id and d.pipeline != Pipeline.DIRECT else None
+        self.md = c.members[d.md_id] if d.md_id and d.start_wan else None
+        self.est_wan_s = d.est_wan_s
+        self.owner = "md" if d.pipeline == Pipeline.DIRECT else "rld"
+        return d.pipeline
+
+    def start(self, pipeline: Pipeline) -> None:
+        ctx, t = self.ctx, self.ctx.trace
+        targets = []
+        if self.rld is not None:
+            self.streams.open("rld", self.rld, "/internal/decode", decode_body(ctx), ctx.remaining_s())
+            self.cluster.dispatched(self.rld.spec.name, +1)
+            targets.append(self.rld)
+            t.instances["rld"] = self.rld.spec.name
+        if self.md is not None:
+            hold = pipeline == Pipeline.RELAY
+            self.streams.open("md", self.md, "/internal/decode", decode_body(ctx, hold=hold), ctx.remaining_s())
+            self.cluster.dispatched(self.md.spec.name, +1)
+            self.md_live = True
+            targets.append(self.md)
+            t.instances["md"] = self.md.spec.name
+        t.instances["p"] = self.p.spec.name
+        self.transfers = {m.spec.name: None for m in targets}
+        self.streams.open("p", self.p, "/internal/prefill", prefill_body(ctx, self.cluster, self.p, targets),
+                          ctx.remaining_s())
+
+    # -- main loop -------------------------------------------------------------
+    async def run(self) -> AsyncIterator[int]:
+        pipeline = await self.decide()
+        self.start(pipeline)
+        try:
+            while True:
+                src, ev = await self.streams.next(self.ctx)
+                await self.on_event(src, ev)
+                out, self.out = self.out, []
+                for tok in out:
+                    yield tok
+                if self.ctx.finish_reason is not None:
+                    return
+        finally:
+            self.ctx.trace.eager_tokens = self.ctx.trace.rld_tokens
+            for m in (self.rld, self.md):
+                if m is not None:
+                    self.cluster.dispatched(m.spec.name, -1)
+            self.streams.close_all()
+
+    def emit(self, tok: int, source: str) -> None:
+        if source == "md" and self.ctx.trace.rld_tokens and self.ctx.trace.handoff_gap_s is None:
+            self.ctx.trace.handoff_gap_s = time.time() - self.ctx.trace.token_times_s[-1]
+        self.out.append(self.ctx.emit(tok, source))
+
+    async def on_event(self, src: str, ev: dict) -> None:
+        kind = ev.get("event")
+        if src == "p":
+            await self.on_prefill_event(kind, ev)
+            if kind == "prefilled" and (ev.get("stop") or self.ctx.sampling.max_tokens == 1):
+                self.ctx.finish_reason = "stop" if ev.get("stop") else "length"
+                self.emit(ev["token"], "p")
+        elif src == "rld":
+            await self.on_rld_event(kind, ev)
+        else:
+            await self.on_md_event(kind, ev)
+
+    async def on_prefill_event(self, kind: str, ev: dict) -> None:
+        if kind == "prefilled":
+            note_prefill(self.ctx, ev)
+            self.first_token = ev["token"]
+            self.wan_started_s = time.monotonic()
+        elif kind == "transfer":
+            note_transfer(self.ctx, ev, self.cluster)
+            self.transfers[ev["target"]] = bool(ev.get("ok"))
+            if self.md is not None and ev["target"] == self.md.spec.name and not ev.get("ok"):
+                self.cluster.wan.observe_failure(time.monotonic())
+                await self.md_failed(f"WAN KV transfer failed: {ev.get('error')}")
+            md_ok = self.md is None or self.transfers.get(self.md.spec.name) or not self.md_live
+            if all(v is not None for v in self.transfers.values()) and (self.owner == "rld" or md_ok):
+                await release(self.client, self.p, self.ctx)
+        elif kind in ("finished", "closed") and self.first_token is None:
+            raise FlowError(f"prefill failed: {ev.get('error') or 'stream closed'}")
+
+    # -- RLD ---------------------------------------------------------------------
+    async def on_rld_event(self, kind: str, ev: dict) -> None:
+        ctx = self.ctx
+        if kind == "token" and self.owner == "rld":
+            i = ev["i"]
+            if self.stop_at is not None and i >= self.stop_at:
+                self.held[i] = ev["t"]
+                return
+            if i != len(ctx.tokens):
+                raise FlowError(f"relay stream out of order: token {i}, expected {len(ctx.tokens)}")
+            self.emit(ev["t"], "rld")
+            if self.md_ready_pending:
+                self.md_ready_pending = False
+                await self.do(self.new_session())
+            await self.maybe_cancel_wan()
+        elif kind in ("finished", "closed") and self.owner == "rld" and self.stop_at is None:
+            if self.session is not None and not self.session.state.terminal:
+                self.session.on_rld_finished(time.monotonic(), len(ctx.tokens))
+            if self.md_live:
+                await self.drop_md("request finished on RLD first")
+            finish(ctx, ev)
+
+    async def maybe_cancel_wan(self) -> None:
+        """The live filter: RLD will finish before the WAN copy lands."""
+        if not self.md_live or self.session is not None or self.wan_started_s is None:
+            return
+        left = self.ctx.sampling.max_tokens - len(self.ctx.tokens)
+        remaining = max(0.0, self.est_wan_s - (time.monotonic() - self.wan_started_s))
+        tpot = rld_tpot_s(self.cluster._view(self.rld), self.cluster.policy)
+        if should_cancel_wan(time.monotonic(), left, remaining, tpot, self.cluster.policy):
+            self.ctx.trace.event("filter_cancel", tokens_left=left, remaining_wan_s=remaining)
+            await self.drop_md("abnormal traffic: RLD finishes first")
+
+    async def drop_md(self, why: str) -> None:
+        """Cancel the P->MD transfer and MD's request (the filter, or a failure)."""
+        self.md_live = False
+        self.ctx.trace.event("md_dropped", reason=why)
+        name = self.md.spec.name
+        if self.transfers.get(name) is None:
+            await self.post(self.p, "/internal/cancel", {"request_id": self.ctx.request_id, "target": name,
+                                                          "reason": why})
+        self.streams.close("md")
+        await self.post(self.md, "/internal/abort", {"request_id": self.ctx.request_id})
+
+    # -- MD ------------------------------------------------------------------------
+    def new_session(self) -> SendBatch:
+        ctx = self.ctx
+        mode = choose_handoff_mode(len(ctx.tokens), self.cluster._view(self.rld), self.cluster.policy)
+        self.session = HandoffSession(ctx.request_id, mode, self.cluster.policy)
+        ctx.trace.handoff_mode = mode.value
+        ctx.trace.event("md_ready", eager_tokens=len(ctx.tokens), mode=mode.value)
+        return self.session.on_md_ready(time.monotonic(), len(ctx.tokens))
+
+    async def on_md_event(self, kind: str, ev: dict) -> None:
+        ctx = self.ctx
+        if not self.md_live:
+            return
+        if kind == "kv_ready":
+            self.md_ready_s = time.monotonic()
+            ctx.trace.event("kv_ready", instance=self.md.spec.name, payload_bytes=ev.get("payload_bytes"))
+            if self.owner == "rld":
+                if ctx.tokens:
+                    await self.do(self.new_session())
+                else:
+                    self.md_ready_pending = True
+        elif kind == "extended" and self.session is not None:
+            batch = self.session.in_flight
+            if batch is not None and not batch.final and ev["upto"] == batch.end:
+                await self.do(self.session.on_batch_extended(time.monotonic(), batch.end, len(ctx.tokens)))
+        elif kind == "token":
+            i = ev["i"]
+            if self.owner == "rld" and self.stop_at is not None and i == self.stop_at:
+                self.session.on_batch_extended(time.monotonic(), i, i)
+                await self.complete()
+            if self.owner == "md":
+                if i != len(ctx.tokens):
+                    raise FlowError(f"main-decode stream out of order: token {i}, expected {len(ctx.tokens)}")
+                self.emit(ev["t"], "md")
+        elif kind in ("finished", "closed"):
+            if self.owner == "md":
+                if ev.get("reason") == "error" and not ctx.tokens and await self.failover(ev.get("error")):
+                    return
+                finish(ctx, ev)
+            else:
+                await self.md_failed(ev.get("error") or "main-decode stream ended")
+
+    async def do(self, act: SendBatch | Complete | Abandon) -> None:
+        rid = self.ctx.request_id
+        while isinstance(act, SendBatch):
+            self.ctx.trace.handoff_batches += 1
+            if act.final:
+                self.stop_at = act.end
+                await self.post(self.rld, "/internal/extend", {"request_id": rid, "token_ids": [], "final": False})
+            toks = self.ctx.tokens[max(act.start, 1): act.end]     # MD already holds token 0 (from P)
+            if toks or act.final:
+                await self.post(self.md, "/internal/extend", {"request_id": rid, "token_ids": toks,
+                                                              "final": act.final})
+                return
+            act = self.session.on_batch_extended(time.monotonic(), act.end, len(self.ctx.tokens))
+        if isinstance(act, Complete):
+            await self.complete()
+
+    async def complete(self) -> None:
+        self.owner = "md"
+        t = self.ctx.trace
+        t.handoff_s = time.monotonic() - self.md_ready_s if self.md_ready_s else None
+        t.event("handoff_complete", stop_at=self.stop_at, batches=t.handoff_batches)
+        self.streams.close("rld")
+        await self.post(self.rld, "/internal/abort", {"request_id": self.ctx.request_id})
+
+    async def md_failed(self, why: str) -> None:
+        """MD or the WAN failed before MD owned the stream: RLD carries on."""
+        if not self.md_live:
+            return
+        if self.owner == "md":
+            if not self.ctx.tokens and await self.failover(why):
+                return
+            raise FlowError(f"main decode failed: {why}")
+        await self.drop_md(why)
+        if self.session is not None and not self.session.state.terminal:
+            self.session.on_failed(time.monotonic(), why)
+        if self.stop_at is not None:       # RLD was paused for the final batch: resume it
+            self.stop_at = None
+            await self.post(self.rld, "/internal/extend", {"request_id": self.ctx.request_id, "token_ids": []})
+            for i in sorted(self.held):
+                if i == len(self.ctx.tokens):
+                    self.emit(self.held[i], "rld")
+            self.held.clear()
+
+    async def failover(self, why: str | None) -> bool:
+        """DIRECT failed before any token: send P's KV to an RLD instead."""
+        from pdd.deploy.spec import Role
+
+        rlds = [m for m in self.cluster.role(Role.RELAY) if m.healthy]
+        if not rlds or self.first_token is None:
+            return False
+        self.md_live = False
+        self.streams.close("md")
+        self.rld = min(rlds, key=lambda m: m.view.num_running + m.view.num_waiting + m.in_flight)
+        self.owner = "rld"
+        self.ctx.trace.pipeline = "direct_failover_relay"
+        self.ctx.trace.event("failover", reason=why, rld=self.rld.spec.name)
+        self.ctx.trace.instances["rld"] = self.rld.spec.name
+        self.streams.open("rld", self.rld, "/internal/decode", decode_body(self.ctx), self.ctx.remaining_s())
+        self.cluster.dispatched(self.rld.spec.name, +1)
+        self.transfers[self.rld.spec.name] = None
+        try:
+            await self.client.post(self.p.http.url, "/internal/send", {
+                "request_id": self.ctx.request_id, "target": target(self.cluster, self.p, self.rld, self.ctx)})
+        except Exception as e:
+            raise FlowError(f"main decode failed ({why}) and failover could not start: {e}") from None
+        return True
+
+    async def post(self, m: Member, path: str, body: dict) -> None:
+        try:
+            await self.client.post(m.http.url, path, body, timeout_s=min(10.0, self.ctx.remaining_s()))
+        except Exception as e:
+            self.ctx.trace.event("control_error", instance=m.spec.name, path=path, error=repr(e))
+
+
+async def pdd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient) -> AsyncIterator[int]:
+    async for tok in PddRun(ctx, cluster, client).run():
+        yield tok

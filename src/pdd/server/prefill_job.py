@@ -1,0 +1,117 @@
+"""One request on a prefill instance: prefill, then KV to every target.
+
+Lifecycle:
+    PREFILLING --first token--> SENDING (one transfer per target, in parallel)
+    SENDING --router: release, or all done and released--> CLOSED (KV freed)
+The router holds the job's NDJSON stream open; while it does, P keeps the
+prompt KV, so the router can add a target (failover: re-route through RLD)
+or cancel one (the abnormal-traffic filter). Closing the stream cancels what
+is still in flight and frees the KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+from pdd.engine.request import EngineRequest
+from pdd.server.wire import NdjsonWriter, sampling_from_dict
+from pdd.transport.kv_sender import TransferHandle
+
+
+class PrefillJob:
+    def __init__(self, server, request_id: str, prompt_ids: list[int], sampling, targets: list[dict]):
+        self.server = server
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.targets = targets
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.transfers: dict[str, TransferHandle] = {}
+        self.released = False
+        self.manifest = None
+        self.first_token: int | None = None
+
+    @classmethod
+    def from_body(cls, server, body: dict) -> "PrefillJob":
+        targets = list(body.get("targets", []))
+        for t in targets:
+            if not {"name", "host", "kv_port"} <= set(t):
+                raise ValueError("each target needs name, host and kv_port")
+        return cls(server, str(body["request_id"]), [int(t) for t in body["prompt_ids"]],
+                   sampling_from_dict(body.get("sampling", {})), targets)
+
+    def engine_request(self) -> EngineRequest:
+        sp = replace(self.sampling, max_tokens=1)
+        return EngineRequest(self.request_id, self.prompt_ids, sp, keep_kv=True)
+
+    async def run(self, q: asyncio.Queue, out: NdjsonWriter) -> None:
+        t0 = time.time()
+        ev = None
+        while (item := await q.get()) is not None:
+            ev = item
+        if ev is None or ev.token_id is None:
+            await out.send({"event": "finished", "reason": "error",
+                            "error": (ev.error if ev else None) or "prefill failed", "ts": time.time()})
+            return
+        self.first_token = ev.token_id
+        loop = self.server.loop
+        self.manifest, cached = await loop.call(
+            lambda e: (e.kv_manifest(self.request_id), e.requests[self.request_id].num_cached_tokens))
+        user_reason = "stop" if ev.finish_reason == "stop" else None
+        await out.send({"event": "prefilled", "token": ev.token_id, "cached_tokens": cached,
+                        "num_blocks": len(self.manifest.block_hashes), "stop": user_reason,
+                        "prefill_start": t0, "ts": time.time()})
+        self.server.metrics.on_prefill(len(self.prompt_ids), cached)
+        for t in self.targets:
+            self.start_transfer(t)
+        while not (self.released and not self._in_flight()):
+            item = await self.events.get()
+            if item is not None:
+                await out.send(item)
+
+    def _in_flight(self) -> bool:
+        return any(not h.done() for h in self.transfers.values())
+
+    def start_transfer(self, target: dict) -> None:
+        if self.manifest is None:
+            raise RuntimeError("prefill has not finished")
+        name = str(target["name"])
+        req = self.server.engine.requests[self.request_id]
+        block_ids = list(req.block_ids)
+        read = self.server.engine.runner.read_block
+        meta = self.manifest.to_meta() | {"first_token": self.first_token}
+        handle = self.server.sender.send(
+            str(target["host"]), int(target["kv_port"]), self.request_id, meta,
+            list(self.manifest.block_hashes), lambda i: read(block_ids[i]),
+            deadline_s=float(target.get("deadline_s", self.server.spec.kv_deadline_s)),
+        )
+        self.transfers[name] = handle
+        asyncio.get_running_loop().create_task(self._report(name, target.get("link", "local"), handle))
+
+    async def _report(self, name: str, link: str, handle: TransferHandle) -> None:
+        st = await handle.wait()
+        self.server.metrics.on_kv_sent(link, st)
+        await self.events.put({
+            "event": "transfer", "target": name, "link": link, "ok": st.ok, "error": st.error or None,
+            "payload_bytes": st.payload_bytes, "bytes_sent": st.bytes_sent,
+            "blocks_sent": st.num_blocks_sent, "blocks_skipped": st.num_blocks_skipped,
+            "elapsed_s": st.elapsed_s, "ts": time.time(),
+        })
+
+    def cancel_transfer(self, name: str, reason: str) -> None:
+        h = self.transfers.get(name)
+        if h is not None:
+            h.cancel(reason)
+
+    def release(self) -> None:
+        self.released = True
+        self.events.put_nowait(None)
+
+    async def close(self) -> None:
+        for h in self.transfers.values():
+            h.cancel("prefill job closed")
+        rid = self.request_id
+        await self.server.loop.call(lambda e: e.forget(rid) if rid in e.requests else None)
+        await self.server.loop.abort(rid)

@@ -1,0 +1,267 @@
+"""One simulated serving instance: continuous batching, chunked prefill.
+
+Each step carries one token for every decoding sequence plus prefill /
+extend chunks, first come first served, up to `token_budget` tokens; a job
+whose remainder is smaller than the budget left yields a small *tail chunk*,
+which is where the report's bathtub valleys come from. Steps are timed by the
+cost model. A run of decode-only steps with a stable batch is simulated as
+one *macro step* (up to `max_macro_steps`), which a new piece of work
+truncates at the next step boundary, so the result equals step-by-step
+simulation while the event count drops by that factor.
+
+KV memory is counted in blocks; free blocks double as the prefix cache
+(capacity = free blocks, LRU), like a paged-KV engine's evictable blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from pdd.policy import InstanceView, Role
+from pdd.sim.cost_model import CostModel, chunk_pairs
+from pdd.sim.prefix_cache import PrefixCache
+from pdd.sim.request import SimRequest
+
+
+class JobKind(Enum):
+    PREFILL = "prefill"
+    EXTEND = "extend"
+
+
+class Job:
+    __slots__ = ("req", "kind", "num_tokens", "done", "ctx_start", "num_blocks", "started", "data")
+
+    def __init__(self, req: SimRequest, kind: JobKind, num_tokens: int, ctx_start: int,
+                 num_blocks: int, data=None) -> None:
+        self.req, self.kind, self.num_tokens = req, kind, num_tokens
+        self.done, self.ctx_start, self.num_blocks = 0, ctx_start, num_blocks
+        self.started = num_blocks == 0
+        self.data = data
+
+
+class Seq:
+    """A request's decoding presence on an instance."""
+
+    __slots__ = ("req", "context", "stop_at", "decoding", "num_blocks", "relay")
+
+    def __init__(self, req: SimRequest, context: int, num_blocks: int, relay: bool,
+                 decoding: bool = True) -> None:
+        self.req, self.context, self.num_blocks = req, context, num_blocks
+        self.relay, self.decoding = relay, decoding
+        self.stop_at: int | None = None
+
+    def tokens_left(self) -> int:
+        limit = self.req.spec.output_tokens
+        if self.stop_at is not None and self.stop_at < limit:
+            limit = self.stop_at
+        return limit - self.req.num_generated
+
+
+@dataclass
+class StepOutcome:
+    jobs_done: list[Job] = field(default_factory=list)
+    # Finished (removed, KV freed) or reached stop_at (parked, KV kept).
+    seqs_ended: list[Seq] = field(default_factory=list)
+
+
+class SimInstance:
+    def __init__(self, instance_id: str, role: Role, datacenter: str, cost: CostModel,
+                 max_batch: int, token_budget: int, block_size: int, kv_blocks: int,
+                 cache: bool, max_macro_steps: int = 32) -> None:
+        if kv_blocks <= 0:
+            raise ValueError(f"{instance_id}: no KV memory left after the weights")
+        self.instance_id, self.role, self.datacenter = instance_id, role, datacenter
+        self.cost = cost
+        self._time = cost.fast()
+        self.max_batch, self.token_budget = max_batch, token_budget
+        self.block_size, self.kv_blocks = block_size, kv_blocks
+        self.used_blocks = 0
+        self.cache = PrefixCache(kv_blocks) if cache else None
+        self.max_macro_steps = max_macro_steps
+        self.jobs: deque[Job] = deque()
+        self.waiting: deque[Seq] = deque()
+        self.decoding: list[Seq] = []
+        self.parked: list[Seq] = []          # resident, not decoding (awaiting a final extend)
+        self.admitted: list[Seq] = []        # admitted since the cluster last looked
+        self.version = 0
+        self.busy = False
+        self.step_time_s: float | None = None
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self._start = 0.0
+        self._times: list[float] = []
+        self._chunks: list[tuple[Job, int]] = []
+        self._batch: list[Seq] = []
+
+    # --- memory -------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return self.kv_blocks - self.used_blocks
+
+    def allocate(self, n: int) -> bool:
+        if n > self.free_blocks:
+            return False
+        self.used_blocks += n
+        if self.cache is not None:
+            self.cache.set_capacity(self.free_blocks)
+        return True
+
+    def release(self, n: int) -> None:
+        self.used_blocks -= n
+        assert self.used_blocks >= 0, self.instance_id
+        if self.cache is not None:
+            self.cache.set_capacity(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- work in ----------------------------------------------------------
+    def add_job(self, job: Job) -> None:
+        self.jobs.append(job)
+
+    def add_seq(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+
+    def view(self) -> InstanceView:
+        started = sum(1 for j in self.jobs if j.started)
+        return InstanceView(
+            self.instance_id, self.role, self.datacenter,
+            num_running=len(self.decoding) + len(self.parked) + started,
+            num_waiting=len(self.waiting) + len(self.jobs) - started,
+            max_batch=self.max_batch, kv_free_blocks=self.free_blocks,
+            kv_total_blocks=self.kv_blocks, step_time_s=self.step_time_s)
+
+    # --- stepping ---------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and len(self.decoding) + len(self.parked) < self.max_batch:
+            seq = self.waiting[0]
+            if not self.allocate(seq.num_blocks):
+                break
+            self.waiting.popleft()
+            (self.decoding if seq.decoding else self.parked).append(seq)
+            self.admitted.append(seq)
+
+    def start_step(self, now: float) -> float | None:
+        """Plan and time the next step; returns its end time, or None when idle."""
+        assert not self.busy
+        self._admit()
+        batch = self.decoding
+        budget = self.token_budget - len(batch)
+        chunks: list[tuple[Job, int]] = []
+        pairs = 0.0
+        ctx = 0.0
+        for job in self.jobs:
+            if budget <= 0:
+                break
+            if not job.started:
+                if not self.allocate(job.num_blocks):
+                    break   # head-of-line: FCFS, no overtaking
+                job.started = True
+            c = min(job.num_tokens - job.done, budget)
+            start = job.ctx_start + job.done
+            chunks.append((job, c))
+            pairs += chunk_pairs(start, c)
+            ctx += start
+            budget -= c
+        if not chunks and not batch:
+            return None
+        n_dec = len(batch)
+        dec_ctx = float(sum(s.context for s in batch))
+        n_pre = sum(c for _, c in chunks)
+        if chunks or not batch:
+            k = 1
+        else:
+            k = min(self.max_macro_steps, min(s.tokens_left() for s in batch))
+        t = now
+        times = []
+        size = n_dec + len(chunks)
+        for i in range(k):
+            c_sum = dec_ctx + i * n_dec
+            t += self._time(n_pre + n_dec, size, ctx + c_sum, pairs + c_sum + n_dec)
+            times.append(t)
+        self._start, self._times, self._chunks, self._batch = now, times, chunks, list(batch)
+        self.busy = True
+        self.version += 1
+        return times[-1]
+
+    @property
+    def current_chunks(self) -> tuple[tuple[str, int], ...]:
+        """(request id, tokens) of the prefill/extend chunks in the step under way."""
+        return tuple((job.req.spec.request_id, c) for job, c in self._chunks)
+
+    @property
+    def current_num_steps(self) -> int:
+        return len(self._times) if self.busy else 0
+
+    def interrupt(self, now: float) -> float | None:
+        """New work arrived mid macro step: end it at the next boundary.
+
+        Returns the new end time (the caller schedules it under the new
+        version), or None when the current end stands.
+        """
+        if not self.busy or len(self._times) <= 1:
+            return None
+        j = bisect.bisect_left(self._times, now)
+        if j >= len(self._times) - 1:
+            return None
+        del self._times[j + 1:]
+        self.version += 1
+        return self._times[-1]
+
+    def end_step(self, now: float) -> StepOutcome:
+        out = StepOutcome()
+        times = self._times
+        k = len(times)
+        self.busy = False
+        self.num_steps += k
+        self.busy_s += now - self._start
+        for job, c in self._chunks:
+            job.done += c
+            if job.done >= job.num_tokens:
+                out.jobs_done.append(job)
+        if out.jobs_done:
+            done = set(map(id, out.jobs_done))
+            self.jobs = deque(j for j in self.jobs if id(j) not in done)
+        if self._batch:
+            if not self._chunks:
+                per = (now - self._start) / k
+                self.step_time_s = per if self.step_time_s is None else (
+                    self.step_time_s + 0.2 * (per - self.step_time_s))
+            for seq in self._batch:
+                seq.req.emit(times, seq.relay)
+                seq.context += k
+                if seq.tokens_left() <= 0:
+                    out.seqs_ended.append(seq)
+            for seq in out.seqs_ended:
+                if seq.req.finished:
+                    self.remove_seq(seq)       # the request is over: free its KV
+                else:
+                    self.stop_decoding(seq)    # reached stop_at: resident until released
+        self._chunks, self._batch = [], []
+        return out
+
+    def remove_seq(self, seq: Seq) -> None:
+        """Drop a seq wherever it is and free its blocks (abort / handoff done)."""
+        for pool in (self.decoding, self.parked):
+            if seq in pool:
+                pool.remove(seq)
+                self.release(seq.num_blocks)
+                return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def stop_decoding(self, seq: Seq) -> None:
+        """Keep `seq` resident but out of the batch (RLD after its final handoff batch)."""
+        if seq in self.decoding:
+            self.decoding.remove(seq)
+            self.parked.append(seq)
+        seq.decoding = False
+
+    def start_decoding(self, seq: Seq) -> None:
+        if seq in self.parked:
+            self.parked.remove(seq)
+            self.decoding.append(seq)
+        seq.decoding = True

@@ -1,0 +1,99 @@
+"""A network link: fair-shared bandwidth (processor sharing) plus RTT.
+
+Every active flow gets bandwidth / n (capped at max_flow_bytes_s, as one TCP
+stream rarely fills a long fat pipe). Whenever a flow joins, leaves or ends
+the shares change, so the link advances all flows to `now` and predicts the
+next completion. The caller schedules that prediction as an event tagged
+with `version`; any later change bumps the version, and a completion event
+whose version is stale is ignored.
+
+A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow;
+the caller delays `add` by `rtt_s`, which keeps this class about bandwidth
+only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class Flow:
+    flow_id: str
+    num_bytes: float
+    remaining: float
+    started_s: float
+
+
+class Link:
+    def __init__(self, name: str, bandwidth_bytes_s: float, rtt_s: float,
+                 max_flow_bytes_s: float | None = None) -> None:
+        if bandwidth_bytes_s <= 0 or rtt_s < 0:
+            raise ValueError(f"{name}: bandwidth must be > 0 and rtt >= 0")
+        self.name = name
+        self.bandwidth_bytes_s = bandwidth_bytes_s
+        self.rtt_s = rtt_s
+        self.max_flow_bytes_s = max_flow_bytes_s or math.inf
+        self.flows: dict[str, Flow] = {}
+        self.version = 0
+        self.up = True
+        self._last_s = 0.0
+        self.bytes_delivered = 0.0
+
+    def rate_per_flow(self) -> float:
+        n = len(self.flows)
+        return min(self.bandwidth_bytes_s / n, self.max_flow_bytes_s) if n else 0.0
+
+    def _advance(self, now: float) -> None:
+        if now < self._last_s - 1e-12:
+            raise ValueError(f"{self.name}: time went backwards")
+        dt = now - self._last_s
+        if dt > 0 and self.flows:
+            drained = dt * self.rate_per_flow()
+            for f in self.flows.values():
+                f.remaining = max(f.remaining - drained, 0.0)
+        self._last_s = max(now, self._last_s)
+
+    def _next(self) -> tuple[float, int] | None:
+        self.version += 1
+        if not self.flows:
+            return None
+        least = min(f.remaining for f in self.flows.values())
+        return self._last_s + least / self.rate_per_flow(), self.version
+
+    def add(self, now: float, flow_id: str, num_bytes: float) -> tuple[float, int] | None:
+        """Start pushing bytes; returns (time of next completion, version)."""
+        if flow_id in self.flows:
+            raise ValueError(f"{self.name}: flow {flow_id} already active")
+        self._advance(now)
+        self.flows[flow_id] = Flow(flow_id, float(num_bytes), float(num_bytes), now)
+        return self._next()
+
+    def cancel(self, now: float, flow_id: str) -> tuple[float, int] | None:
+        self._advance(now)
+        self.flows.pop(flow_id, None)
+        return self._next()
+
+    def complete(self, now: float, version: int) -> tuple[list[Flow], tuple[float, int] | None]:
+        """Handle a completion event: the flows done at `now` and the next prediction.
+
+        A stale version returns ([], None): a newer prediction is already queued.
+        """
+        if version != self.version:
+            return [], None
+        self._advance(now)
+        # Relative tolerance: float drift must not leave a flow a few bytes short.
+        done = [f for f in self.flows.values() if f.remaining <= 1e-9 * max(f.num_bytes, 1.0) + 1e-6]
+        for f in done:
+            del self.flows[f.flow_id]
+            self.bytes_delivered += f.num_bytes
+        return done, self._next()
+
+    def remaining_s(self, flow_id: str, now: float) -> float:
+        """Estimated seconds until `flow_id` ends at today's share."""
+        self._advance(now)
+        f = self.flows.get(flow_id)
+        if f is None:
+            return 0.0
+        return f.remaining / self.rate_per_flow()

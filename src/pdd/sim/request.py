@@ -1,0 +1,130 @@
+"""One request's simulated life: its spec, its progress, and its record.
+
+Token times are kept for every `stride`-th token (and the last) so that an
+hour of a large cluster fits in memory; `SimRequestRecord` scales the
+inter-token gaps back so that `summarize_mode` reads true TPOT / ITL means.
+With stride 1 it is an ordinary RequestRecord.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdd.bench.records import RequestRecord
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    max_tokens: int
+    block_ids: tuple[int, ...]        # chained ids of the prompt's full blocks
+    session: int = -1                 # -1: open-loop (a trace), else closed-loop session
+    turn: int = 0
+    # Ids of the blocks the *decode side* can cache after the request: prompt
+    # plus output (the next turn's prompt starts with both).
+    full_block_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SimRequestRecord(RequestRecord):
+    token_stride: int = 1
+    token_indices: list[int] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        t = self.token_times_s
+        if self.output_tokens < 2 or len(t) < 2:
+            return None
+        return (t[-1] - t[0]) / (self.token_indices[-1] - self.token_indices[0])
+
+    @property
+    def itls_s(self) -> list[float]:
+        t, idx = self.token_times_s, self.token_indices
+        return [(t[i + 1] - t[i]) / (idx[i + 1] - idx[i]) for i in range(len(t) - 1)]
+
+
+class SimRequest:
+    __slots__ = ("spec", "stride", "num_generated", "times", "indices", "cached_tokens",
+                 "rld_tokens", "last_rld_token_s", "first_md_token_s", "wan_bytes",
+                 "uncached_kv_bytes", "pipeline", "handoff_mode", "done_s", "failed",
+                 "error", "decision", "session", "p_id", "rld_seq", "md_seq", "wan_flow",
+                 "p_blocks", "pending_transfers", "ended_on_rld")
+
+    def __init__(self, spec: RequestSpec, stride: int = 1) -> None:
+        self.spec = spec
+        self.stride = stride
+        self.num_generated = 0
+        self.times: list[float] = []
+        self.indices: list[int] = []
+        self.cached_tokens = 0
+        self.rld_tokens = 0
+        self.last_rld_token_s: float | None = None
+        self.first_md_token_s: float | None = None
+        self.wan_bytes = 0
+        self.uncached_kv_bytes = 0
+        self.pipeline: str | None = None
+        self.handoff_mode: str | None = None
+        self.done_s: float | None = None
+        self.failed = False
+        self.error: str | None = None
+        self.decision = None
+        self.session = None
+        self.p_id: str | None = None
+        self.rld_seq = None
+        self.md_seq = None
+        self.wan_flow: str | None = None
+        self.p_blocks = 0
+        self.pending_transfers = 0
+        self.ended_on_rld = False
+
+    @property
+    def finished(self) -> bool:
+        return self.num_generated >= self.spec.output_tokens
+
+    def emit(self, times: list[float], relay: bool) -> None:
+        """The next len(times) output tokens were streamed at these times."""
+        k = len(times)
+        if k == 0:
+            return
+        first = self.num_generated
+        last_idx = self.spec.output_tokens - 1
+        s = self.stride
+        if s == 1:
+            self.times.extend(times)
+            self.indices.extend(range(first, first + k))
+        else:
+            off = (-first) % s
+            self.times.extend(times[off::s])
+            self.indices.extend(range(first + off, first + k, s))
+            end = first + k - 1
+            if end == last_idx and end % s:
+                self.times.append(times[-1])
+                self.indices.append(end)
+        self.num_generated = first + k
+        if relay:
+            self.rld_tokens += k
+            self.last_rld_token_s = times[-1]
+        elif self.first_md_token_s is None:
+            self.first_md_token_s = times[0]
+
+    def record(self) -> SimRequestRecord:
+        spec = self.spec
+        t0 = self.times[0] if self.times else None
+        gap = None
+        if self.first_md_token_s is not None and self.last_rld_token_s is not None:
+            gap = self.first_md_token_s - self.last_rld_token_s
+        return SimRequestRecord(
+            request_id=spec.request_id, arrival_s=spec.arrival_s,
+            prompt_tokens=spec.prompt_tokens, output_tokens=self.num_generated,
+            cached_tokens=self.cached_tokens,
+            ttft_s=None if t0 is None else t0 - spec.arrival_s,
+            token_times_s=self.times,
+            e2e_s=None if self.done_s is None else self.done_s - spec.arrival_s,
+            failed=self.failed, error=self.error, wan_bytes=self.wan_bytes,
+            uncached_kv_bytes=self.uncached_kv_bytes, rld_tokens=self.rld_tokens,
+            handoff_gap_s=gap, pipeline=self.pipeline, handoff_mode=self.handoff_mode,
+            token_stride=self.stride, token_indices=self.indices,
+        )

@@ -1,0 +1,160 @@
+"""A simulation scenario from TOML: model, workload, SLA, and modes side by side.
+
+    [sim]        duration / warm-up / drain, token-time stride, macro steps
+    [model]      preset = "report-moe" (+ field overrides)
+    [workload]   kind = "agentic" | "trace" (+ AgenticWorkload / TraceWorkload fields)
+    [sla]        ttft_s, tpot_s
+    [[mode]]     name, [mode.policy] (PolicyConfig fields), [mode.rdma], [mode.wan],
+                 [[mode.pool]] role, hardware, chips, count, datacenter, max_batch, ...
+
+Several files may be given at once; their modes are simulated on the same
+workload, which must then be identical in every file.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from pdd.bench.metrics import Sla
+from pdd.policy import PolicyConfig, Role
+from pdd.sim.hardware import get_profile
+from pdd.sim.model_shape import ModelShape, get_model
+from pdd.sim.workload import AgenticWorkload, TraceWorkload
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    role: Role
+    hardware: str
+    chips: int
+    count: int
+    datacenter: str = "a"
+    max_batch: int = 64
+    token_budget: int = 8192
+    mem_fraction: float = 0.9
+    prefix_cache: bool = True
+    mfu: float = 0.5
+    mbu: float = 0.7
+    overhead_s: float = 0.004
+    per_seq_s: float = 20e-6
+
+    def __post_init__(self) -> None:
+        if isinstance(self.role, str):
+            object.__setattr__(self, "role", Role(self.role))
+        get_profile(self.hardware)
+        if self.chips < 1 or self.count < 0 or self.max_batch < 1 or self.token_budget < 1:
+            raise ValueError(f"pool {self.role.value}: chips, max_batch, token_budget >= 1, count >= 0")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    gbps: float
+    rtt_ms: float
+    max_flow_gbps: float | None = None
+    price_per_hour: float = 0.0
+
+    @property
+    def bandwidth_bytes_s(self) -> float:
+        return self.gbps * 1e9 / 8
+
+    @property
+    def rtt_s(self) -> float:
+        return self.rtt_ms / 1e3
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    pools: tuple[PoolSpec, ...]
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    rdma: LinkSpec = LinkSpec(gbps=3200.0, rtt_ms=0.02)
+    wan: LinkSpec | None = None
+
+    def cost_per_hour(self) -> float:
+        chips = sum(p.count * p.chips * get_profile(p.hardware).price_per_hour for p in self.pools)
+        return chips + (self.wan.price_per_hour if self.wan else 0.0)
+
+    def num_chips(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p in self.pools:
+            out[p.hardware] = out.get(p.hardware, 0) + p.count * p.chips
+        return out
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    warmup_s: float = 0.0
+    drain_s: float = 600.0           # simulated time allowed after the last arrival
+    token_stride: int = 1
+    max_macro_steps: int = 32
+
+
+@dataclass(frozen=True)
+class Scenario:
+    model: ModelShape
+    workload: AgenticWorkload | TraceWorkload
+    sla: Sla
+    modes: tuple[ModeSpec, ...]
+    settings: SimSettings = SimSettings()
+
+
+def _build(cls, d: dict, where: str):
+    known = {f.name for f in fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    return cls(**d)
+
+
+def _mode(d: dict) -> ModeSpec:
+    d = dict(d)
+    pools = tuple(_build(PoolSpec, p, f"mode {d.get('name')} pool") for p in d.pop("pool", []))
+    if not pools:
+        raise ValueError(f"mode {d.get('name')}: no [[mode.pool]]")
+    policy = PolicyConfig.from_dict(d.pop("policy", {}))
+    rdma = _build(LinkSpec, d.pop("rdma"), "rdma") if "rdma" in d else LinkSpec(3200.0, 0.02)
+    wan = _build(LinkSpec, d.pop("wan"), "wan") if "wan" in d else None
+    name = d.pop("name")
+    if d:
+        raise ValueError(f"mode {name}: unknown keys {sorted(d)}")
+    if len({p.datacenter for p in pools}) > 1 and wan is None:
+        raise ValueError(f"mode {name}: pools in several datacenters need a [mode.wan]")
+    return ModeSpec(name, pools, policy, rdma, wan)
+
+
+def parse(doc: dict, base_dir: Path = Path(".")) -> Scenario:
+    model_d = dict(doc.get("model", {"preset": "report-moe"}))
+    model = get_model(model_d.pop("preset", "report-moe"), **model_d)
+    wl = dict(doc.get("workload", {}))
+    kind = wl.pop("kind", "agentic")
+    if kind == "agentic":
+        workload = _build(AgenticWorkload, wl, "workload")
+    elif kind == "trace":
+        p = Path(wl.pop("path"))
+        wl["path"] = str(p if p.is_absolute() else (base_dir / p).resolve())
+        workload = _build(TraceWorkload, wl, "workload")
+    else:
+        raise ValueError(f"workload kind {kind!r}: expected 'agentic' or 'trace'")
+    sla = _build(Sla, doc.get("sla", {"ttft_s": 10.0, "tpot_s": 0.1}), "sla")
+    settings = _build(SimSettings, doc.get("sim", {}), "sim")
+    modes = tuple(_mode(m) for m in doc.get("mode", []))
+    if not modes:
+        raise ValueError("no [[mode]] in the scenario")
+    return Scenario(model, workload, sla, modes, settings)
+
+
+def load(paths: list[Path]) -> Scenario:
+    """One scenario from one or more files (modes concatenated, the rest equal)."""
+    scenarios = [parse(tomllib.loads(Path(p).read_text()), Path(p).parent) for p in paths]
+    first = scenarios[0]
+    for p, s in zip(paths[1:], scenarios[1:]):
+        for name in ("model", "workload", "sla", "settings"):
+            if getattr(s, name) != getattr(first, name):
+                raise ValueError(f"{p}: [{name}] differs from {paths[0]}; modes must share it")
+    modes = tuple(m for s in scenarios for m in s.modes)
+    names = [m.name for m in modes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate mode names: {names}")
+    return Scenario(first.model, first.workload, first.sla, modes, first.settings)

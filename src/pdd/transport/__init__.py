@@ -1,0 +1,26 @@
+"""KV transport: a framed binary protocol over asyncio TCP, plus an in-memory fake.
+
+    sender                                receiver
+      HELLO(client nonce)          ->
+                                   <-     CHALLENGE(server nonce, server proof)
+      AUTH(client proof)           ->
+      BEGIN(id, meta, hashes)      ->     handler.on_begin -> indices held
+                                   <-     HAVE(bitmap)
+      BLOCK(i, hash, payload) ...  ->     handler.on_block (as each lands)
+      END(count)                   ->     handler.on_end(SUCCESS)
+                                   <-     END(count)   (the ack: only now SUCCESS)
+
+Modules: `state` (poll enum + status), `frames` (sans-I/O codec), `auth`
+(challenge-response), `stream` (frames over asyncio streams), `kv_receiver`,
+`kv_sender`, `fake_link` (same contract in memory, clock passed in).
+"""
+
+from pdd.transport.fake_link import FakeLink, FakeTransfer
+from pdd.transport.kv_receiver import KVReceiver, ReceiverHandler
+from pdd.transport.kv_sender import KVSender, TransferHandle, send_kv
+from pdd.transport.state import TransferState, TransferStatus
+
+__all__ = [
+    "FakeLink", "FakeTransfer", "KVReceiver", "KVSender", "ReceiverHandler", "TransferHandle",
+    "TransferState", "TransferStatus", "send_kv",
+]

@@ -1,0 +1,246 @@
+"""KVReceiver: the asyncio TCP server side of the KV transport.
+
+One connection carries one transfer at a time (senders may reuse it for the
+next). Per connection:
+    accept -> auth handshake (drop + count on failure or timeout)
+    loop: BEGIN -> handler.on_begin -> HAVE -> BLOCK* (handler.on_block each)
+          -> END -> handler.on_end(SUCCESS) -> END ack
+Every begun transfer ends with exactly one handler.on_end(status), also on a
+corrupt frame, CANCEL, stall, deadline (BEGIN's deadline + grace), dead peer,
+handler error or receiver shutdown; after a failure the connection is closed
+(its byte stream can no longer be trusted) and other connections go on.
+
+Backpressure: frames are read only after the handler returned for the
+previous one (handlers may be sync or async), so a slow handler leaves bytes
+in the kernel and TCP flow control slows the sender.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from dataclasses import dataclass, asdict
+from typing import Any, Protocol
+
+from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, server_handshake
+from pdd.transport.frames import (
+    DEFAULT_MAX_FRAME_BYTES, Begin, Block, Cancel, End, Error, FrameError, encode_end, encode_error, encode_have,
+)
+from pdd.transport.state import TransferState, TransferStatus
+from pdd.transport.stream import STREAM_LIMIT_BYTES, FrameStream
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IDLE_TIMEOUT_S = 120.0  # an idle (between transfers) connection is closed silently
+DEFAULT_STALL_TIMEOUT_S = 30.0  # no frame for this long mid-transfer: FAILED
+DEFAULT_DEADLINE_GRACE_S = 1.0  # on top of the sender's deadline carried in BEGIN
+
+
+class ReceiverHandler(Protocol):
+    def on_begin(self, request_id: str, meta: dict, block_hashes: list[bytes]) -> set[int]: ...
+    def on_block(self, request_id: str, index: int, block_hash: bytes, payload: bytes) -> None: ...
+    def on_end(self, request_id: str, status: TransferStatus) -> None: ...
+
+
+@dataclass
+class ReceiverStats:
+    num_connections: int = 0
+    num_auth_failures: int = 0
+    num_transfers: int = 0
+    num_succeeded: int = 0
+    num_failed: int = 0
+    num_blocks_received: int = 0
+    num_blocks_skipped: int = 0
+    num_bytes_received: int = 0
+
+
+class _TransferFailed(Exception):
+    pass
+
+
+async def _call(fn: Any, *args: Any) -> Any:
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+class KVReceiver:
+    def __init__(self, secret: str | bytes, handler: ReceiverHandler, *,
+                 auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, deadline_grace_s: float = DEFAULT_DEADLINE_GRACE_S,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+        self.secret = as_secret(secret)
+        self.handler = handler
+        self.auth_timeout_s = auth_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.deadline_grace_s = deadline_grace_s
+        self.max_frame_bytes = max_frame_bytes
+        self.stats = ReceiverStats()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @classmethod
+    async def start(cls, host: str, port: int, secret: str | bytes, handler: ReceiverHandler, **kwargs: Any) -> "KVReceiver":
+        self = cls(secret, handler, **kwargs)
+        self._server = await asyncio.start_server(self._serve, host, port, limit=STREAM_LIMIT_BYTES)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def stats_dict(self) -> dict:
+        return asdict(self.stats)
+
+    async def close(self) -> None:
+        """Stop accepting, fail in-flight transfers (their on_end is called), drop connections."""
+        if self._server is not None:
+            self._server.close()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        stream = FrameStream(reader, writer, self.max_frame_bytes)
+        self.stats.num_connections += 1
+        try:
+            try:
+                await server_handshake(stream, self.secret, self.auth_timeout_s)
+            except (AuthError, TimeoutError, ConnectionError, FrameError, OSError) as e:
+                self.stats.num_auth_failures += 1
+                log.warning("kv receiver: dropped %s: %s", stream.peer, e or type(e).__name__)
+                if isinstance(e, AuthError):
+                    stream.write(encode_error(f"authentication failed: {e}"))
+                return
+            while True:
+                try:
+                    frame = await stream.read_frame(self.idle_timeout_s)
+                except (TimeoutError, ConnectionError, OSError):
+                    return  # idle or closed between transfers: nothing to report
+                if not isinstance(frame, Begin):
+                    stream.write(encode_error(f"expected BEGIN, got {type(frame).__name__}"))
+                    return
+                if not await self._transfer(stream, frame):
+                    return
+        except FrameError as e:
+            log.warning("kv receiver: corrupt stream from %s: %s", stream.peer, e)
+        except asyncio.CancelledError:
+            pass  # close(): end quietly (asyncio logs a cancelled connection task as an error)
+        finally:
+            self._tasks.discard(task)
+            await stream.close(timeout_s=0.5)
+
+    async def _transfer(self, stream: FrameStream, begin: Begin) -> bool:
+        """Runs one transfer; True if the connection can carry another."""
+        n = len(begin.block_hashes)
+        status = TransferStatus(begin.request_id, TransferState.WAITING, num_blocks=n,
+                                bytes_received=begin.wire_bytes, started_s=time.monotonic(), meta=begin.meta)
+        self.stats.num_transfers += 1
+        deadline = None
+        if begin.deadline_s > 0:
+            deadline = time.monotonic() + begin.deadline_s + self.deadline_grace_s
+        try:
+            try:
+                async with asyncio.timeout_at(self._loop_deadline(deadline)):
+                    held = await _call(self.handler.on_begin, begin.request_id, begin.meta, begin.block_hashes)
+            except TimeoutError:
+                raise TimeoutError("transfer deadline passed while the receiver's on_begin was busy") from None
+            except Exception as e:
+                raise _TransferFailed(f"receiver rejected transfer: {e!r}") from e
+            held = {i for i in (held or ()) if 0 <= i < n}
+            missing = set(range(n)) - held
+            status.num_blocks_skipped = len(held)
+            status.state = TransferState.TRANSFERRING
+            stream.write(encode_have(n, held))
+            while True:
+                frame = await self._next_frame(stream, status, deadline)
+                status.bytes_received += frame.wire_bytes
+                if isinstance(frame, Block):
+                    try:
+                        async with asyncio.timeout_at(self._loop_deadline(deadline)):
+                            await self._accept_block(status, begin, missing, frame)
+                    except TimeoutError:
+                        raise TimeoutError(f"transfer deadline passed while the receiver's on_block was busy "
+                                           f"(block {frame.index})") from None
+                elif isinstance(frame, End):
+                    if missing:
+                        raise _TransferFailed(f"END after {status.num_blocks_sent} blocks, {len(missing)} still missing")
+                    status.succeed(time.monotonic())
+                    await self._finish(status)
+                    stream.write(encode_end(status.num_blocks_sent))
+                    return True
+                elif isinstance(frame, Cancel):
+                    status.cancelled = True
+                    raise _TransferFailed(f"cancelled by sender: {frame.reason}")
+                elif isinstance(frame, Error):
+                    raise _TransferFailed(f"sender error: {frame.message}")
+                else:
+                    raise _TransferFailed(f"protocol error: unexpected {type(frame).__name__} mid-transfer")
+        except asyncio.CancelledError:
+            status.fail("receiver shutting down", time.monotonic())
+            await self._finish(status)
+            raise
+        except (_TransferFailed, FrameError, ConnectionError, OSError, TimeoutError) as e:
+            msg = str(e) if isinstance(e, (_TransferFailed, TimeoutError)) else f"{type(e).__name__}: {e}"
+            if isinstance(e, FrameError):
+                msg = f"corrupt frame: {e}"
+            elif isinstance(e, (ConnectionError, OSError)):
+                msg = f"connection lost: {msg}"
+            status.fail(msg, time.monotonic())
+            if not isinstance(e, (ConnectionError, OSError)) and not status.cancelled:
+                stream.write(encode_error(msg))
+            await self._finish(status)
+            return False
+
+    @staticmethod
+    def _loop_deadline(deadline: float | None) -> float | None:
+        """time.monotonic() deadline -> the loop's clock (async handlers only can be timed out)."""
+        if deadline is None:
+            return None
+        return asyncio.get_running_loop().time() + (deadline - time.monotonic())
+
+    async def _next_frame(self, stream: FrameStream, status: TransferStatus, deadline: float | None):
+        timeout = self.stall_timeout_s
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.monotonic())
+        try:
+            if timeout <= 0:
+                raise TimeoutError
+            return await stream.read_frame(timeout)
+        except TimeoutError:
+            where = f"after {status.num_blocks_sent} of {status.num_blocks - status.num_blocks_skipped} missing blocks"
+            if deadline is not None and time.monotonic() >= deadline - 1e-3:
+                raise TimeoutError(f"transfer deadline passed {where}") from None
+            raise TimeoutError(f"sender stalled: no frame for {self.stall_timeout_s} s {where}") from None
+
+    async def _accept_block(self, status: TransferStatus, begin: Begin, missing: set[int], block: Block) -> None:
+        if block.index not in missing:
+            raise _TransferFailed(f"unexpected block {block.index} (not missing, duplicate or out of range)")
+        if block.block_hash != begin.block_hashes[block.index]:
+            raise _TransferFailed(f"block {block.index} hash does not match the one announced in BEGIN")
+        try:
+            await _call(self.handler.on_block, begin.request_id, block.index, block.block_hash, block.payload)
+        except Exception as e:
+            raise _TransferFailed(f"receiver handler failed on block {block.index}: {e!r}") from e
+        missing.discard(block.index)
+        status.num_blocks_sent += 1
+        status.payload_bytes += len(block.payload)
+
+    async def _finish(self, status: TransferStatus) -> None:
+        self.stats.num_succeeded += status.ok
+        self.stats.num_failed += not status.ok
+        self.stats.num_blocks_received += status.num_blocks_sent
+        self.stats.num_blocks_skipped += status.num_blocks_skipped
+        self.stats.num_bytes_received += status.bytes_received
+        try:
+            await _call(self.handler.on_end, status.request_id, status.copy())
+        except Exception:
+            log.exception("kv receiver: on_end handler failed for %s", status.request_id)

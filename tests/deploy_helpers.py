@@ -1,0 +1,71 @@
+"""Build deployment files for tests: free ports, a chosen model, any mode."""
+
+from __future__ import annotations
+
+import json
+import socket
+from contextlib import ExitStack
+from pathlib import Path
+
+
+def free_ports(n: int) -> list[int]:
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def free_port_run(n: int, start: int = 20000, end: int = 60000) -> int:
+    """First port of n consecutive free ports (the WAN relay maps base + k)."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(start, end - n)
+        with ExitStack() as stack:
+            try:
+                for p in range(base, base + n):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError("no run of free ports found")
+
+
+def _toml(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + " }"
+    return str(v)
+
+
+def deployment_toml(mode: str, model_dir: Path, wan_mbps: float = 80.0, latency_ms: float = 20.0,
+                    policy: dict | None = None, engine: dict | None = None, timeouts: dict | None = None) -> str:
+    """mode: colocated | pd-local | pd-wan | pdd."""
+    ports = free_ports(12)
+    roles = {
+        "colocated": [("c0", "colocated", "A")],
+        "pd-local": [("p0", "prefill", "A"), ("d0", "decode", "A")],
+        "pd-wan": [("p0", "prefill", "A"), ("d0", "decode", "B")],
+        "pdd": [("p0", "prefill", "A"), ("rld0", "relay", "A"), ("md0", "main", "B")],
+    }[mode]
+    eng = {"block_size": 16, "num_blocks": 512, "max_num_seqs": 16, "max_num_batched_tokens": 256} | (engine or {})
+    lines = [f'name = "{mode}"', "", "[model]", f"path = {_toml(str(model_dir))}", "", "[engine]"]
+    lines += [f"{k} = {_toml(v)}" for k, v in eng.items()]
+    lines += ["", "[router]", f"port = {ports[0]}", 'datacenter = "A"']
+    for k, (name, role, dc) in enumerate(roles):
+        lines += ["", "[[instances]]", f'name = "{name}"', f'role = "{role}"', f'datacenter = "{dc}"',
+                  f"port = {ports[1 + 2 * k]}", f"kv_port = {ports[2 + 2 * k]}"]
+    if any(dc == "B" for _, _, dc in roles):
+        lines += ["", "[[links]]", 'a = "A"', 'b = "B"', f"bandwidth_mbps = {wan_mbps}",
+                  f"latency_ms = {latency_ms}", "jitter_ms = 2", "cost_per_hour = 0.1",
+                  f"relay_port_base = {free_port_run(4)}", f"control_port = {ports[10]}"]
+    if policy:
+        lines += ["", "[policy]"] + [f"{k} = {_toml(v)}" for k, v in policy.items()]
+    if timeouts:
+        lines += ["", "[timeouts]"] + [f"{k} = {_toml(v)}" for k, v in timeouts.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,84 @@
+"""Percentiles, SLA goodput and BCR against hand-computed cases."""
+
+import math
+
+import pytest
+
+from pdd.bench.metrics import (
+    Sla,
+    cost_per_million_tokens,
+    distribution,
+    handoff_gap_ratio,
+    meets_sla,
+    percentile,
+    relative_change,
+    summarize_mode,
+)
+from pdd.bench.records import RequestRecord
+
+
+def rec(rid, arrival, times, prompt=100, cached=0, failed=False, **kw):
+    ttft = (times[0] - arrival) if times else None
+    return RequestRecord(rid, arrival, prompt, len(times), cached_tokens=cached, ttft_s=ttft,
+                         token_times_s=times, e2e_s=None if failed else times[-1] - arrival,
+                         failed=failed, **kw)
+
+
+def test_percentile_linear_interpolation():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(xs, 0) == 1.0
+    assert percentile(xs, 100) == 4.0
+    assert percentile(xs, 50) == 2.5            # between 2 and 3
+    assert percentile(xs, 90) == pytest.approx(3.7)  # pos 2.7 -> 3 + 0.7
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+    d = distribution([1.0, 2.0, 3.0])
+    assert d["mean"] == 2.0 and d["p50"] == 2.0 and d["p90"] == pytest.approx(2.8)
+
+
+def test_record_derived_values():
+    r = rec("a", 1.0, [1.5, 1.7, 2.1])
+    assert r.ttft_s == 0.5
+    assert r.itls_s == pytest.approx([0.2, 0.4])
+    assert r.tpot_s == pytest.approx(0.3)
+    assert rec("b", 0.0, [0.3]).tpot_s is None
+
+
+def test_goodput_and_bcr_by_hand():
+    sla = Sla(ttft_s=1.0, tpot_s=0.1)
+    records = [
+        rec("ok1", 0.0, [0.5, 0.55, 0.6], cached=50, wan_bytes=1000),   # meets SLA
+        rec("ok2", 1.0, [1.9, 1.95], cached=90, rld_tokens=1),          # meets SLA
+        rec("slow_ttft", 2.0, [3.5, 3.55]),                             # TTFT 1.5 > 1.0
+        rec("slow_tpot", 3.0, [3.2, 3.5, 3.8]),                         # TPOT 0.3 > 0.1
+        rec("failed", 4.0, [], failed=True, error="boom"),
+    ]
+    assert [meets_sla(r, sla) for r in records] == [True, True, False, False, False]
+    s = summarize_mode(records, sla, cost_per_hour=4.0, duration_s=10.0)
+    assert s["num_requests"] == 5 and s["num_failed"] == 1
+    assert s["sla_attainment"] == pytest.approx(2 / 5)
+    assert s["goodput_rps"] == pytest.approx(0.2)               # 2 good / 10 s
+    assert s["bcr"] == pytest.approx(0.05)                      # 0.2 / 4.0 per hour
+    assert s["throughput_tok_s"] == pytest.approx(1.0)          # 3+2+2+3 tokens / 10 s
+    assert s["ttft_s"]["p50"] == pytest.approx(0.7)             # [0.2, 0.5, 0.9, 1.5]
+    assert s["ttft_s"]["mean"] == pytest.approx(0.775)
+    assert s["wan_bytes"] == 1000
+    assert s["rld_token_share"] == pytest.approx(0.1)           # 1 of 10 output tokens
+    assert s["prefix_hit_rate"] == pytest.approx(140 / 500)
+
+
+def test_handoff_gap_ratio():
+    a = rec("a", 0.0, [0.1, 0.2, 0.3, 0.8], handoff_gap_s=0.5)   # gaps 0.1, 0.1, 0.5
+    b = rec("b", 0.0, [0.1, 0.2, 0.3])
+    assert handoff_gap_ratio([a, b]) == pytest.approx(5.0)       # 0.5 / median 0.1
+    assert handoff_gap_ratio([b]) is None
+
+
+def test_relative_change_and_cost_per_token():
+    assert relative_change(6.7, 4.2) == pytest.approx(0.5952, abs=1e-4)
+    assert relative_change(1.0, 0.0) is None
+    assert relative_change(None, 1.0) is None
+    assert relative_change(float("nan"), 1.0) is None
+    # $3.6/h at 1 token/s: 3600 tokens per hour -> $1000 per million tokens.
+    assert cost_per_million_tokens(3.6, 1.0) == pytest.approx(1000.0)
+    assert math.isinf(cost_per_million_tokens(3.6, 0.0))

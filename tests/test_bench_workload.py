@@ -1,0 +1,124 @@
+"""Agentic workload generator and the theoretical hit-rate histogram."""
+
+from dataclasses import replace
+
+import pytest
+
+from pdd.bench import agentic
+from pdd.bench.workload import (
+    HIT_RATE_BINS,
+    RequestKind,
+    WorkloadRequest,
+    fraction_above,
+    hit_rate_bin,
+    hit_rate_histogram,
+    poisson_arrivals,
+    theoretical_hit_rates,
+    validate_token_ids,
+)
+
+
+def _req(rid, ids, t=0.0):
+    return WorkloadRequest(rid, t, list(ids), 4)
+
+
+def test_theoretical_hit_rates_block_granularity():
+    a = list(range(100, 164))                 # 64 tokens = 4 blocks of 16
+    b = a[:40] + list(range(500, 524))        # shares 2.5 blocks with a -> 2 blocks hit
+    c = list(a)                               # same prompt: last token is always computed
+    d = a + [7]                               # all 4 blocks of a, then one more token
+    rates = theoretical_hit_rates([_req("a", a), _req("b", b), _req("c", c), _req("d", d)], 16)
+    assert rates == [0.0, 32 / 64, 48 / 64, 64 / 65]
+
+
+def test_theoretical_hit_rates_follow_arrival_order():
+    a = list(range(100, 132))
+    ab = a + list(range(200, 232))
+    # ab arrives first; a later hits ab's first block only (its last token is computed).
+    rates = theoretical_hit_rates([_req("a", a, t=1.0), _req("ab", ab, t=0.0)], 16)
+    assert rates == [16 / 32, 0.0]
+
+
+def test_hit_rate_bins_edges():
+    assert hit_rate_bin(0.0) == "0-90%"
+    assert hit_rate_bin(0.8999) == "0-90%"
+    assert hit_rate_bin(0.90) == "90-95%"
+    assert hit_rate_bin(0.95) == "95-97%"
+    assert hit_rate_bin(0.98) == "98-99%"
+    assert hit_rate_bin(1.0) == "99-100%"
+    hist = hit_rate_histogram([0.1, 0.92, 0.96, 0.995])
+    assert list(hist) == [b[0] for b in HIT_RATE_BINS]
+    assert hist["0-90%"] == hist["90-95%"] == hist["95-97%"] == hist["99-100%"] == 0.25
+    assert sum(hist.values()) == pytest.approx(1.0)
+
+
+def test_poisson_arrivals_seeded():
+    a = poisson_arrivals(200, 2.0, seed=3)
+    assert a == poisson_arrivals(200, 2.0, seed=3)
+    assert a != poisson_arrivals(200, 2.0, seed=4)
+    assert all(x < y for x, y in zip(a, a[1:]))
+    assert a[-1] / 200 == pytest.approx(0.5, rel=0.25)   # mean gap 1 / rate
+    assert poisson_arrivals(3, 0.0, seed=1) == [0.0, 0.0, 0.0]
+
+
+def test_agentic_is_deterministic_per_seed():
+    cfg = replace(agentic.QUICK, num_requests=30)
+    w1, w2 = agentic.generate(cfg), agentic.generate(cfg)
+    assert [(r.request_id, r.arrival_s, r.prompt_token_ids, r.max_tokens) for r in w1.requests] == \
+           [(r.request_id, r.arrival_s, r.prompt_token_ids, r.max_tokens) for r in w2.requests]
+    w3 = agentic.generate(replace(cfg, seed=1))
+    assert [r.prompt_token_ids for r in w3.requests] != [r.prompt_token_ids for r in w1.requests]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_agentic_distribution_matches_report(seed):
+    cfg = agentic.AgenticConfig(num_requests=400, seed=seed, vocab_size=1000)
+    w = agentic.generate(cfg)
+    assert len(w.requests) == 400
+    validate_token_ids(w.requests, 1000)
+    rates = w.hit_rates()
+    assert 0.70 <= fraction_above(rates, 0.95) <= 0.85        # report: ~70-80 % above 95 %
+    low = sum(r < 0.90 for r in rates) / len(rates)
+    assert 0.05 <= low <= 0.25                                 # a thin low-hit tail
+    abnormal = [r for r in w.requests if r.kind is RequestKind.ABNORMAL]
+    assert 0.03 <= len(abnormal) / 400 <= 0.04                 # ~3-4 %
+    assert all(r.prompt_tokens >= 1536 and r.max_tokens <= 4 for r in abnormal)
+    assert 0.80 <= w.describe()["theoretical_hit_rate"] <= 0.95
+    assert all(r.prompt_tokens + r.max_tokens <= cfg.max_context_tokens for r in w.requests)
+
+
+def test_agentic_sessions_grow_and_chain():
+    w = agentic.generate(agentic.AgenticConfig(num_requests=60, seed=2))
+    by_id = {r.request_id: r for r in w.requests}
+    turns = [r for r in w.requests if r.kind is RequestKind.TURN]
+    assert any(r.depends_on for r in turns)
+    for r in turns:
+        if r.turn == 0:
+            assert r.depends_on is None
+            continue
+        prev = by_id[r.depends_on]
+        assert prev.session_id == r.session_id and prev.turn == r.turn - 1
+        # The new prompt extends the previous one by its answer and the tool output.
+        assert r.prompt_token_ids[:prev.prompt_tokens] == prev.prompt_token_ids
+        assert r.prompt_tokens >= prev.prompt_tokens + prev.max_tokens
+    open_loop = agentic.generate(agentic.AgenticConfig(num_requests=60, seed=2, closed_loop=False))
+    assert not any(r.depends_on for r in open_loop.requests)
+
+
+def test_quick_workload_is_small():
+    w = agentic.generate(agentic.QUICK)
+    assert len(w.requests) == 12
+    assert max(r.prompt_tokens for r in w.requests) <= 1536
+    assert sum(r.kind is RequestKind.ABNORMAL for r in w.requests) == 1
+    d = w.describe()
+    assert d["num_requests"] == 12 and d["closed_loop"]
+    assert sum(d["hit_rate_histogram"].values()) == pytest.approx(1.0)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        agentic.AgenticConfig(max_context_tokens=512)
+    with pytest.raises(ValueError):
+        agentic.AgenticConfig(turns=(0, 2))
+    with pytest.raises(ValueError):
+        validate_token_ids([_req("x", [5])], 1000)

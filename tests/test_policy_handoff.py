@@ -1,0 +1,130 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdd.policy import (
+    Abandon, Complete, HandoffError, HandoffMode, HandoffSession, HandoffState, InstanceView,
+    PolicyConfig, Role, SendBatch, choose_handoff_mode,
+)
+
+CFG = PolicyConfig()
+
+
+def rld(running):
+    return InstanceView("r0", Role.RELAY, "dc-a", running, 0, 16, 100, 100)
+
+
+def test_mode_choice_by_tokens_and_load():
+    assert choose_handoff_mode(64, rld(0), CFG) is HandoffMode.ONE_SHOT
+    assert choose_handoff_mode(65, rld(0), CFG) is HandoffMode.CATCH_UP
+    assert choose_handoff_mode(65, rld(11), CFG) is HandoffMode.CATCH_UP
+    assert choose_handoff_mode(65, rld(12), CFG) is HandoffMode.ONE_SHOT   # 12 >= 0.75 * 16
+
+
+def test_mode_override():
+    assert choose_handoff_mode(1, rld(0), PolicyConfig(handoff_mode="catch_up")) is HandoffMode.CATCH_UP
+    assert choose_handoff_mode(999, rld(0), PolicyConfig(handoff_mode="one_shot")) is HandoffMode.ONE_SHOT
+
+
+def test_one_shot_is_one_final_batch():
+    s = HandoffSession("r", HandoffMode.ONE_SHOT, CFG)
+    assert s.on_md_ready(1.0, 100) == SendBatch(0, 100, True)
+    assert s.rld_stop_at == 100
+    assert s.on_batch_extended(1.3, 100, 100) == Complete(100)
+    assert s.state is HandoffState.DONE and len(s.batches_sent) == 1
+
+
+def test_catch_up_sequence():
+    s = HandoffSession("r", HandoffMode.CATCH_UP, CFG)
+    assert s.on_md_ready(1.0, 100) == SendBatch(0, 100, False)
+    assert s.on_batch_extended(1.3, 100, 112) == SendBatch(100, 112, False)
+    assert s.on_batch_extended(1.4, 112, 115) == SendBatch(112, 115, True)
+    assert s.on_batch_extended(1.5, 115, 115) == Complete(115)
+
+
+def test_catch_up_forces_final_after_max_batches():
+    s = HandoffSession("r", HandoffMode.CATCH_UP, PolicyConfig(catchup_max_batches=2))
+    s.on_md_ready(0.0, 100)
+    assert not s.on_batch_extended(1.0, 100, 200).final
+    assert s.on_batch_extended(2.0, 200, 300) == SendBatch(200, 300, True)
+
+
+def test_catch_up_with_few_tokens_is_immediately_final():
+    s = HandoffSession("r", HandoffMode.CATCH_UP, CFG)
+    assert s.on_md_ready(0.0, 3) == SendBatch(0, 3, True)
+
+
+def test_illegal_calls_raise():
+    s = HandoffSession("r", HandoffMode.ONE_SHOT, CFG)
+    with pytest.raises(HandoffError):
+        s.on_batch_extended(0.0, 0, 0)
+    s.on_md_ready(0.0, 10)
+    with pytest.raises(HandoffError):
+        s.on_md_ready(0.0, 10)
+    with pytest.raises(HandoffError, match="extended to"):
+        s.on_batch_extended(0.0, 5, 10)
+    with pytest.raises(HandoffError, match="stop at"):
+        s.on_batch_extended(0.0, 10, 12)
+    with pytest.raises(HandoffError):
+        s.on_rld_finished(0.0, 10)
+
+
+def test_generated_count_never_goes_back():
+    s = HandoffSession("r", HandoffMode.CATCH_UP, CFG)
+    s.on_md_ready(0.0, 100)
+    with pytest.raises(HandoffError, match="went back"):
+        s.on_batch_extended(0.0, 100, 99)
+
+
+def test_rld_finishing_first_abandons():
+    s = HandoffSession("r", HandoffMode.CATCH_UP, CFG)
+    s.on_md_ready(0.0, 100)
+    assert s.on_rld_finished(0.5, 120) == Abandon(120, "request ended on RLD")
+    assert s.state is HandoffState.ENDED_ON_RLD
+    with pytest.raises(HandoffError):
+        s.on_failed(0.6, "late")
+
+
+def test_failure_resumes_rld_where_it_stopped():
+    s = HandoffSession("r", HandoffMode.ONE_SHOT, CFG)
+    s.on_md_ready(0.0, 40)
+    assert s.on_failed(0.1, "md died").resume_at == 40
+    assert s.state is HandoffState.FAILED
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    mode=st.sampled_from(list(HandoffMode)),
+    first=st.integers(0, 500),
+    increments=st.lists(st.integers(0, 80), min_size=12, max_size=12),
+    final_max=st.integers(0, 16),
+    max_batches=st.integers(1, 6),
+)
+def test_session_always_ends_with_contiguous_batches(mode, first, increments, final_max,
+                                                     max_batches):
+    cfg = PolicyConfig(catchup_final_max_tokens=final_max, catchup_threshold_tokens=64,
+                       catchup_max_batches=max_batches)
+    s = HandoffSession("r", mode, cfg)
+    generated = first
+    action = s.on_md_ready(0.0, generated)
+    last_call_generated = generated
+    steps = iter(increments)
+    while isinstance(action, SendBatch):
+        batch = action
+        if batch.final:
+            final_generated = last_call_generated
+            action = s.on_batch_extended(1.0, batch.end, generated)
+            break
+        generated += next(steps)   # RLD keeps decoding during the extend
+        last_call_generated = generated
+        action = s.on_batch_extended(1.0, batch.end, generated)
+    assert action == Complete(generated)
+    batches = s.batches_sent
+    assert batches[-1].final and batches[-1].end == final_generated == generated
+    assert all(not b.final for b in batches[:-1])
+    assert batches[0].start == 0
+    for a, b in zip(batches, batches[1:]):
+        assert a.end == b.start and a.start <= a.end
+    if mode is HandoffMode.ONE_SHOT:
+        assert len(batches) == 1
+    assert len(batches) <= max_batches + 1

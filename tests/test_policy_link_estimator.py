@@ -1,0 +1,51 @@
+import math
+
+import pytest
+
+from pdd.policy import LinkEstimate, LinkEstimator
+
+GB = 1e9
+
+
+def test_prior_from_line():
+    est = LinkEstimator.from_line(10e9, 0.025).estimate(0.0)
+    assert est.throughput_bytes_s == pytest.approx(1.25 * GB)
+    assert est.rtt_s == pytest.approx(0.05)
+    assert est.up
+
+
+def test_converges_to_observed_throughput():
+    le = LinkEstimator(LinkEstimate(1.25 * GB, 0.05))
+    for k in range(60):
+        # 100 MB in 0.05 s RTT + 0.4 s payload -> 250 MB/s
+        le.observe(float(k), 100_000_000, 0.45)
+    assert le.estimate(60.0).throughput_bytes_s == pytest.approx(250e6, rel=1e-3)
+
+
+def test_small_transfers_feed_only_the_rtt():
+    le = LinkEstimator(LinkEstimate(1.25 * GB, 0.05))
+    for k in range(60):
+        le.observe(float(k), 1_000, 0.2)
+    est = le.estimate(60.0)
+    assert est.throughput_bytes_s == pytest.approx(1.25 * GB)
+    assert est.rtt_s == pytest.approx(0.2, rel=1e-3)
+
+
+def test_failure_marks_down_until_next_success():
+    le = LinkEstimator(LinkEstimate(1.25 * GB, 0.05))
+    le.observe_failure(1.0)
+    est = le.estimate(1.0)
+    assert not est.usable and math.isinf(est.transfer_s(10))
+    le.observe_rtt(2.0, 0.05)
+    assert le.estimate(2.0).usable
+
+
+def test_time_must_not_go_backwards():
+    le = LinkEstimator(LinkEstimate(1.0, 0.05))
+    le.observe_rtt(5.0, 0.05)
+    with pytest.raises(ValueError):
+        le.observe_rtt(4.0, 0.05)
+
+
+def test_transfer_time_is_rtt_plus_bytes_over_rate():
+    assert LinkEstimate(1e6, 0.1).transfer_s(2_000_000) == pytest.approx(2.1)

@@ -1,0 +1,95 @@
+import pytest
+
+from pdd.policy import Role
+from pdd.sim.cost_model import CostModel
+from pdd.sim.hardware import get_profile
+from pdd.sim.instance import Job, JobKind, Seq, SimInstance
+from pdd.sim.model_shape import get_model
+from pdd.sim.request import RequestSpec, SimRequest
+from pdd.sim.workload import AgenticStream, AgenticWorkload
+
+COST = CostModel(get_model("llama3-8b"), get_profile("gpu_a"))
+
+
+def inst(budget=1000, macro=16, role=Role.PREFILL):
+    return SimInstance("i0", role, "a", COST, max_batch=8, token_budget=budget, block_size=16,
+                       kv_blocks=10_000, cache=True, max_macro_steps=macro)
+
+
+def req(rid, prompt=100, out=20):
+    return SimRequest(RequestSpec(rid, 0.0, prompt, out, out, ()))
+
+
+def test_chunked_prefill_leaves_tail_chunks():
+    i = inst(budget=1000)
+    for rid in ("a", "b"):
+        i.add_job(Job(req(rid, 1500), JobKind.PREFILL, 1500, 0, 94))
+    plans, now = [], 0.0
+    while (t := i.start_step(now)) is not None:
+        plans.append(i.current_chunks)
+        out = i.end_step(t)
+        now = t
+        if len(plans) > 5:
+            break
+    assert plans == [(("a", 1000),), (("a", 500), ("b", 500)), (("b", 1000),)]
+    assert i.used_blocks == 188      # P keeps KV until the cluster releases it
+
+
+def decode_times(macro, interrupt_at=None):
+    i = inst(macro=macro, role=Role.MAIN)
+    reqs = [req("a", out=20), req("b", out=12)]
+    for r in reqs:
+        r.num_generated = 1
+        i.add_seq(Seq(r, 101, 8, relay=False))
+    now = 0.0
+    while (t := i.start_step(now)) is not None:
+        if interrupt_at is not None and now < interrupt_at < t:
+            t = i.interrupt(interrupt_at) or t
+        i.end_step(t)
+        now = t
+    return [r.times for r in reqs], i
+
+
+def test_macro_steps_equal_single_steps():
+    single, _ = decode_times(macro=1)
+    macro, i = decode_times(macro=16)
+    assert macro == single
+    assert i.used_blocks == 0 and not i.decoding
+
+
+def test_interrupt_truncates_at_the_next_boundary():
+    single, _ = decode_times(macro=1)
+    cut, _ = decode_times(macro=16, interrupt_at=single[0][3] + 1e-6)
+    assert cut == single
+
+
+def test_agentic_stream_is_deterministic_and_shares_prefixes():
+    w = AgenticWorkload(duration_s=200.0, session_rate_per_s=0.5, abnormal_fraction=0.2)
+    a, b = AgenticStream(w).initial(), AgenticStream(w).initial()
+    assert a == b and len(a) > 50
+    s = AgenticStream(w)
+    first = next(x for x in s.initial() if x.output_tokens > w.abnormal_output_max)
+    nxt = s.next_after(first, first.arrival_s + 10.0, failed=False)
+    if nxt is not None:          # the session may have ended after one turn
+        assert nxt.block_ids[: len(first.block_ids)] == first.block_ids
+        assert nxt.prompt_tokens > first.prompt_tokens + first.output_tokens
+
+
+def test_system_prompt_blocks_are_shared_across_sessions():
+    w = AgenticWorkload(duration_s=100.0, session_rate_per_s=0.5)
+    specs = AgenticStream(w).initial()
+    shared = w.system_prompt_tokens // w.block_size
+    assert len({x.block_ids[:shared] for x in specs}) == 1
+    assert len({x.block_ids[shared] for x in specs}) == len(specs)
+
+
+@pytest.mark.parametrize("stride", [1, 3])
+def test_emit_records_every_stride_token_and_the_last(stride):
+    r = req("a", out=10)
+    r.stride = stride
+    r.emit([0.0], relay=True)
+    r.emit([float(k) for k in range(1, 10)], relay=False)
+    rec = r.record()
+    assert rec.token_indices[-1] == 9 and rec.token_times_s[-1] == 9.0
+    assert rec.tpot_s == pytest.approx(1.0)
+    assert rec.rld_tokens == 1 and rec.handoff_gap_s == pytest.approx(1.0)

@@ -1,0 +1,58 @@
+import pytest
+
+from pdd.sim.link import Link
+
+
+def drain(link, events):
+    """Run a link's completion predictions to the end: flow id -> end time."""
+    ends = {}
+    nxt = events
+    while nxt:
+        t, v = nxt
+        done, nxt = link.complete(t, v)
+        for f in done:
+            ends[f.flow_id] = t
+    return ends
+
+
+def test_two_equal_flows_share_fairly():
+    link = Link("l", bandwidth_bytes_s=100.0, rtt_s=0.0)
+    link.add(0.0, "a", 100)
+    nxt = link.add(0.0, "b", 100)
+    assert drain(link, nxt) == {"a": pytest.approx(2.0), "b": pytest.approx(2.0)}
+
+
+def test_late_joiner_halves_the_rate_then_gets_it_all():
+    link = Link("l", 100.0, 0.0)
+    link.add(0.0, "a", 100)             # alone for 0.5 s: 50 bytes
+    nxt = link.add(0.5, "b", 100)       # then 50 B/s each: a ends at 1.5, b has 50 left
+    assert drain(link, nxt) == {"a": pytest.approx(1.5), "b": pytest.approx(2.0)}
+
+
+def test_stale_prediction_is_ignored():
+    link = Link("l", 100.0, 0.0)
+    first = link.add(0.0, "a", 100)
+    link.add(0.5, "b", 100)
+    assert link.complete(*first) == ([], None)
+
+
+def test_per_flow_cap():
+    link = Link("l", 100.0, 0.0, max_flow_bytes_s=25.0)
+    nxt = link.add(0.0, "a", 100)
+    assert drain(link, nxt) == {"a": pytest.approx(4.0)}
+
+
+def test_cancel_frees_the_share():
+    link = Link("l", 100.0, 0.0)
+    link.add(0.0, "a", 100)
+    link.add(0.0, "b", 100)
+    nxt = link.cancel(0.5, "b")         # a had 25 bytes done, 75 left at full rate
+    assert drain(link, nxt) == {"a": pytest.approx(1.25)}
+    assert link.bytes_delivered == 100
+
+
+def test_remaining_estimate():
+    link = Link("l", 100.0, 0.0)
+    link.add(0.0, "a", 100)
+    link.add(0.0, "b", 300)
+    assert link.remaining_s("a", 0.0) == pytest.approx(2.0)

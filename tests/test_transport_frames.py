@@ -1,0 +1,82 @@
+import os
+import random
+import zlib
+
+import pytest
+
+from pdd.transport import frames as F
+
+
+def _hashes(n):
+    return [os.urandom(16) for _ in range(n)]
+
+
+def test_roundtrip_every_frame_type_fed_byte_by_byte():
+    hashes = _hashes(5)
+    wire = b"".join([
+        F.encode_hello(b"n" * 16),
+        F.encode_challenge(b"s" * 16, b"p" * 32),
+        F.encode_auth(b"a" * 32),
+        F.encode_begin("req-1", {"model": "m", "n": 3}, hashes, deadline_s=2.5),
+        F.encode_have(11, {0, 3, 10}),
+        F.encode_block(7, hashes[2], b"payload"),
+        F.encode_end(4),
+        F.encode_error("boom"),
+        F.encode_cancel("why"),
+    ])
+    dec = F.FrameDecoder()
+    out = []
+    for i in range(len(wire)):
+        out += dec.feed(wire[i : i + 1])
+    assert [type(f).__name__ for f in out] == ["Hello", "Challenge", "Auth", "Begin", "Have", "Block", "End", "Error", "Cancel"]
+    assert out[3] == F.Begin("req-1", {"model": "m", "n": 3}, hashes, 2.5)
+    assert out[4].indices == {0, 3, 10} and out[4].num_blocks == 11
+    assert out[5] == F.Block(7, hashes[2], b"payload")
+    assert out[6].num_blocks == 4 and out[7].message == "boom" and out[8].reason == "why"
+    assert sum(f.wire_bytes for f in out) == len(wire) == dec.num_bytes
+    assert dec.num_buffered_bytes == 0
+
+
+def test_random_chunking_preserves_large_payloads():
+    rng = random.Random(1)
+    payloads = [rng.randbytes(rng.randint(0, 300_000)) for _ in range(8)]
+    hashes = _hashes(len(payloads))
+    wire = b"".join(F.encode_block(i, hashes[i], p) for i, p in enumerate(payloads))
+    dec, out, pos = F.FrameDecoder(), [], 0
+    while pos < len(wire):
+        step = rng.randint(1, 200_000)
+        out += dec.feed(wire[pos : pos + step])
+        pos += step
+    assert [b.payload for b in out] == payloads
+
+
+def test_corrupted_payload_fails_crc_and_stays_failed():
+    frame = bytearray(F.encode_block(0, b"h" * 16, b"x" * 1000))
+    frame[F.HEADER_BYTES + 500] ^= 0x01
+    dec = F.FrameDecoder()
+    with pytest.raises(F.FrameError, match="CRC32 mismatch in BLOCK"):
+        dec.feed(bytes(frame))
+    with pytest.raises(F.FrameError):
+        dec.feed(F.encode_end(0))
+
+
+def test_bad_magic_version_and_size_bound():
+    with pytest.raises(F.FrameError, match="magic"):
+        F.FrameDecoder().feed(b"GET / HTTP/1.1\r\n\r\n")
+    bad_version = bytearray(F.encode_end(1))
+    bad_version[4] = 99
+    with pytest.raises(F.FrameError, match="version"):
+        F.FrameDecoder().feed(bytes(bad_version))
+    with pytest.raises(F.FrameError, match="max_frame_bytes"):
+        F.FrameDecoder(max_frame_bytes=1000).feed(F.encode_block(0, b"h" * 16, b"x" * 2000))
+    with pytest.raises(F.FrameError, match="max_frame_bytes"):
+        F.encode_block(0, b"h" * 16, b"x" * 2000, max_frame_bytes=1000)
+
+
+def test_malformed_payload_with_valid_crc():
+    payload = b"\x00\x01"  # a HAVE frame cut short
+    raw = F._HEADER.pack(F.MAGIC, F.VERSION, F.FrameType.HAVE, 0, len(payload), zlib.crc32(payload)) + payload
+    with pytest.raises(F.FrameError, match="malformed HAVE"):
+        F.FrameDecoder().feed(raw)
+    with pytest.raises(F.FrameError, match="16 bytes"):
+        F.encode_begin("r", {}, [b"short"])

@@ -1,0 +1,157 @@
+"""The relay over loopback: shaped rate, latency, cut/restore with the KV transport."""
+
+import asyncio
+import hashlib
+import os
+import time
+
+import pytest
+
+from pdd.transport.kv_receiver import KVReceiver
+from pdd.transport.kv_sender import KVSender
+from pdd.transport.state import TransferState
+from pdd.wan.relay import WanLink
+
+SECRET = "s"
+
+
+def run(coro, timeout_s=20):
+    asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+async def sink_server(stats):
+    async def sink(reader, writer):
+        try:
+            while data := await reader.read(1 << 20):
+                now = time.monotonic()
+                stats.setdefault("first", (now, len(data)))
+                stats["last"] = now
+                stats["bytes"] = stats.get("bytes", 0) + len(data)
+        except ConnectionError:
+            pass
+        finally:
+            stats["num_closed"] = stats.get("num_closed", 0) + 1
+            writer.close()
+    return await asyncio.start_server(sink, "127.0.0.1", 0)
+
+
+def test_throughput_matches_configured_rate_on_a_shared_line():
+    async def main():
+        stats = {}
+        server = await sink_server(stats)
+        link = WanLink(rate_bytes_s=20e6, latency_s=0.0, jitter_s=0)
+        port = await link.add_mapping(0, "127.0.0.1", server.sockets[0].getsockname()[1])
+        try:
+            chunk = b"x" * (1 << 20)
+
+            async def push(num_mb):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                for _ in range(num_mb):
+                    writer.write(chunk)
+                    await writer.drain()
+                writer.close()
+                await writer.wait_closed()
+            await asyncio.gather(push(16), push(16))  # two connections share one line
+            t_end = time.monotonic() + 3
+            while stats.get("num_closed", 0) < 2 and time.monotonic() < t_end:
+                await asyncio.sleep(0.02)
+            t_first, first_bytes = stats["first"]
+            rate = (stats["bytes"] - first_bytes) / (stats["last"] - t_first)
+            assert stats["bytes"] == 32 << 20
+            assert rate == pytest.approx(20e6, rel=0.10), rate
+            assert link.stats.bytes_a_to_b == 32 << 20 and link.stats.num_connections == 2
+        finally:
+            await link.close()
+            server.close()
+            await server.wait_closed()
+    run(main())
+
+
+def test_ping_pong_rtt_is_twice_the_latency():
+    async def main():
+        echo_done = asyncio.Event()
+
+        async def echo(reader, writer):
+            try:
+                while data := await reader.read(1024):
+                    writer.write(data)
+            except ConnectionError:
+                pass
+            writer.close()
+            echo_done.set()
+        server = await asyncio.start_server(echo, "127.0.0.1", 0)
+        link = WanLink(rate_bytes_s=50e6, latency_s=0.03, jitter_s=0.005, seed=3)
+        port = await link.add_mapping(0, "127.0.0.1", server.sockets[0].getsockname()[1])
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            rtts = []
+            for _ in range(6):
+                t0 = time.monotonic()
+                writer.write(b"ping")
+                assert await reader.readexactly(4) == b"ping"
+                rtts.append(time.monotonic() - t0)
+            writer.close()
+            await writer.wait_closed()
+            await asyncio.wait_for(echo_done.wait(), 2)  # the EOF crossed the relay too
+            assert all(0.05 <= r <= 0.085 for r in rtts), rtts  # 2 x (30 +- 5) ms + scheduling slack
+            assert sum(rtts) / len(rtts) == pytest.approx(0.06, abs=0.012)
+        finally:
+            await link.close()
+            server.close()
+            await server.wait_closed()
+    run(main())
+
+
+class Sink:
+    def __init__(self):
+        self.ends = []
+
+    def on_begin(self, request_id, meta, block_hashes):
+        return set()
+
+    def on_block(self, request_id, index, block_hash, payload):
+        pass
+
+    def on_end(self, request_id, status):
+        self.ends.append(status)
+
+
+def test_cut_fails_kv_transfer_within_deadline_and_restore_recovers():
+    async def main():
+        sink = Sink()
+        receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, sink)
+        link = WanLink(rate_bytes_s=10e6, latency_s=0.01, jitter_s=0)
+        port = await link.add_mapping(0, "127.0.0.1", receiver.port)
+        sender = KVSender(SECRET)
+        blocks = [os.urandom(200_000)] * 50  # 10 MB: ~1 s on this line
+        hashes = [hashlib.blake2b(bytes([i]), digest_size=16).digest() for i in range(50)]
+        try:
+            for mode in ("reset", "blackhole"):
+                t0 = time.monotonic()
+                handle = sender.send("127.0.0.1", port, f"cut-{mode}", {}, hashes, blocks, deadline_s=2.0)
+                while handle.poll().num_blocks_sent < 10:
+                    assert time.monotonic() - t0 < 3
+                    await asyncio.sleep(0.01)
+                link.cut(mode)
+                st = await handle.wait()
+                assert st.state == TransferState.FAILED, st
+                assert time.monotonic() - t0 < 2.0 + 0.3
+                assert ("lost" in st.error) if mode == "reset" else ("deadline" in st.error), st.error
+                if mode == "reset":  # new connections are refused while cut
+                    refused = await sender.send("127.0.0.1", port, "refused", {}, hashes[:1], blocks[:1], 1.0).wait()
+                    assert refused.state == TransferState.FAILED and link.stats.num_refused >= 1
+                link.restore()
+                ok = await sender.send("127.0.0.1", port, f"after-{mode}", {}, hashes[:5], blocks[:5], 3.0).wait()
+                assert ok.state == TransferState.SUCCESS, ok.error
+            t_end = time.monotonic() + 4  # the receiver ends every transfer, failed ones included
+            while len(sink.ends) < 4 and time.monotonic() < t_end:
+                await asyncio.sleep(0.02)
+            ends = {s.request_id: s for s in sink.ends}
+            assert len(sink.ends) == 4 and sorted(ends) == ["after-blackhole", "after-reset", "cut-blackhole", "cut-reset"]
+            assert ends["after-reset"].ok and ends["after-blackhole"].ok and not ends["cut-reset"].ok
+            assert link.stats.num_resets >= 1 and link.stats.num_bytes_dropped >= 0
+        finally:
+            await sender.close()
+            await link.close()
+            await receiver.close()
+    run(main())
