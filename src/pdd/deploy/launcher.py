@@ -62,9 +62,12 @@ class Deployment:
     def cost_per_hour(self) -> float:
         return self.spec.cost_per_hour
 
-    def wan_control_url(self, k: int = 0) -> str:
+    def wan_control(self, k: int = 0):
+        """A client of link k's relay control API (cut / restore / set / stats)."""
+        from pdd.wan.control import WanControlClient
+
         link = self.spec.links[k]
-        return f"http://{link.relay_host}:{link.control_port}"
+        return WanControlClient(link.relay_host, link.control_port, self.secret.decode())
 
     @property
     def secret(self) -> bytes:

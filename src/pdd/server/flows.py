@@ -195,6 +195,9 @@ async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
                     note_transfer(ctx, ev, cluster)
                     if ev.get("ok"):
                         await release(client, p, ctx)
+                    else:   # D would wait for KV that will never come: end it now
+                        await abort(client, d, ctx)
+                        raise FlowError(f"KV transfer {p.spec.name} -> {d.spec.name} failed: {ev.get('error')}")
                 elif kind in ("finished", "closed"):
                     if not ctx.trace.token_times_s and kind == "finished":
                         raise FlowError(f"prefill failed: {ev.get('error')}")
@@ -210,6 +213,13 @@ async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
         if not single:
             cluster.dispatched(d.spec.name, -1)
         streams.close_all()
+
+
+async def abort(client: InternalClient, m: Member, ctx: RequestContext) -> None:
+    try:
+        await client.post(m.http.url, "/internal/abort", {"request_id": ctx.request_id}, timeout_s=5.0)
+    except Exception:
+        pass  # an unreachable instance drops the request when its stream closes
 
 
 async def release(client: InternalClient, p: Member, ctx: RequestContext) -> None:

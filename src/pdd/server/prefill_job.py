@@ -72,7 +72,7 @@ class PrefillJob:
                 await out.send(item)
 
     def _in_flight(self) -> bool:
-        return any(not h.done() for h in self.transfers.values())
+        return any(not h.done for h in self.transfers.values())
 
     def start_transfer(self, target: dict) -> None:
         if self.manifest is None:

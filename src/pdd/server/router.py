@@ -173,6 +173,7 @@ class RouterServer:
             t.finish_reason = ctx.finish_reason
         except FlowError as e:
             t.error = str(e)
+            log.warning("request %s failed: %s; events: %s", ctx.request_id, e, t.events)
         except Exception as e:  # never leave a request hanging on a bug
             log.exception("request %s failed", ctx.request_id)
             t.error = f"internal error: {e!r}"

@@ -160,6 +160,8 @@ class WanLink:
             for conn in list(self._conns):
                 self.stats.num_resets += 1
                 conn.close(reset=True)
+            for shaper in (self.shaper_a_to_b, self.shaper_b_to_a):
+                shaper.restore()   # the dropped bytes no longer occupy the line
 
     def restore(self) -> None:
         was_blackholed = self.blackholed

@@ -72,7 +72,12 @@ class Shaper:
         self.is_cut = True
 
     def restore(self) -> None:
+        """The line comes back empty: what was queued on it when it was cut is gone
+        (reset connections dropped it), so new bytes do not wait behind it."""
         self.is_cut = False
+        self._tokens = float(self.burst_bytes)
+        self._last_s = None
+        self._last_delivery_s = -math.inf
 
     def _refill(self, now: float) -> float:
         if self._last_s is not None:

@@ -1,0 +1,412 @@
+"""`pdd bench engine`: our engine against plain HF transformers `generate`, on one CPU.
+
+    pdd bench engine --out results/engine.json [--model PATH] [--threads 1] [--repeats 3] [--quick]
+
+Everything is measured in one process, on the same weights (fp32), with the
+same thread count, and repeats are interleaved (ours, then HF, then ours ...)
+so that a noisy neighbour on a shared machine hurts both sides alike.
+
+* prefill tok/s at 512 and 2048 prompt tokens: ours = one Engine.step() of a
+  single request (max_tokens=1) on a fresh engine, with a token budget large
+  enough that the whole prompt is one pass; HF = one forward of the prompt
+  (use_cache=True, logits_to_keep=1, as `generate` does).
+* decode tok/s at batch 1, 8, 16: N requests with equal-length random prompts
+  each generate `decode_tokens + 1` tokens with ignore_eos. The first token
+  comes out of the prefill; only the following steps are timed, from the first
+  token to the last, so tok/s = N * decode_tokens / that time. HF: `generate`
+  over the same N prompts as one batch (equal lengths, so no padding; an
+  all-ones attention mask), do_sample=False, min_new_tokens=max_new_tokens,
+  timed with a streamer that stamps every new token: the same window, from
+  the first token to the last. Both the default DynamicCache and
+  cache_implementation="static" are run; the faster is HF's best.
+* prefix hit: a prompt whose first ~90% (whole blocks) is already in our
+  prefix cache (a request with just that prefix ran first) vs the same prompt
+  on a fresh engine.
+
+Writes a JSON file (medians, raw samples, settings, versions, method) whose
+top-level keys include `decode_speedup_b16` and `prefix_hit_speedup`, and
+prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+TARGET_DECODE_SPEEDUP_B16 = 3.0
+TARGET_PREFIX_HIT_SPEEDUP = 5.0
+
+FULL = {"prefill_lens": [512, 2048], "decode_batches": [1, 8, 16], "decode_prompt": 128,
+        "decode_tokens": 64, "prefix_prompt": 2048, "prefix_frac": 0.9}
+QUICK = {"prefill_lens": [64, 256], "decode_batches": [1, 16], "decode_prompt": 16,
+         "decode_tokens": 8, "prefix_prompt": 256, "prefix_frac": 0.9}
+
+METHOD = __doc__.split("\n\n", 2)[2].rsplit("\n\nWrites", 1)[0].strip()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "engine micro-benchmark: our engine vs HF transformers generate"
+    parser.add_argument("--out", default="results/engine.json", help="JSON file to write")
+    parser.add_argument("--model", default="default",
+                        help="'default' (embedded SmolLM2-135M) or a local HF folder")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
+    parser.add_argument("--quick", action="store_true", help="small sizes (for tests)")
+    parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
+    parser.add_argument("--prefill-lens", type=_int_list, default=None, metavar="N,N")
+    parser.add_argument("--decode-batches", type=_int_list, default=None, metavar="N,N")
+    parser.add_argument("--decode-prompt", type=int, default=None, metavar="TOKENS")
+    parser.add_argument("--decode-tokens", type=int, default=None, metavar="TOKENS",
+                        help="timed decode steps per request (one more token comes from prefill)")
+    parser.add_argument("--prefix-prompt", type=int, default=None, metavar="TOKENS")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _int_list(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+# ---------------------------------------------------------------------- helpers
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    lo = min(100, vocab // 4)
+    return [[rng.randrange(lo, vocab) for _ in range(length)] for _ in range(n)]
+
+
+class _Stamps:
+    """A generate() streamer that records when each put() happens (the prompt first)."""
+
+    def __init__(self):
+        self.t: list[float] = []
+
+    def put(self, value):
+        self.t.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+# ---------------------------------------------------------------------- ours
+class Ours:
+    def __init__(self, model, model_cfg, block_size: int, num_blocks: int, budget: int, max_seqs: int,
+                 threads: int):
+        from pdd.engine.config import EngineConfig
+
+        self.model, self.model_cfg = model, model_cfg
+        self.ecfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_seqs,
+                                 max_num_batched_tokens=budget, num_threads=threads, dtype="float32")
+        self._n = 0
+
+    def engine(self):
+        from pdd.engine.engine import Engine
+
+        return Engine(self.model, self.model_cfg, self.ecfg)
+
+    def _req(self, prompt: list[int], max_tokens: int):
+        from pdd.engine.request import EngineRequest, SamplingParams
+
+        self._n += 1
+        return EngineRequest(f"b{self._n}", list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+    def prefill(self, prompt: list[int], engine=None) -> tuple[float, int]:
+        """Seconds of the one step that prefills `prompt` (and samples its first token); cached tokens."""
+        eng = engine or self.engine()
+        req = self._req(prompt, 1)
+        eng.submit(req)
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        rec = eng.step_log[-1]
+        if rec.num_prefill_tokens + req.num_cached_tokens != len(prompt) or not req.status.finished:
+            raise RuntimeError(f"prefill of {len(prompt)} tokens did not run in one pass: {rec}")
+        return dt, req.num_cached_tokens
+
+    def warm_prefix(self, engine, prefix: list[int]) -> None:
+        eng = engine
+        eng.submit(self._req(prefix, 1))
+        while eng.has_work:
+            eng.step()
+
+    def decode(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, float]:
+        """(seconds of the decode steps, tokens they made, mean batch size)."""
+        eng = self.engine()
+        reqs = [self._req(p, new_tokens + 1) for p in prompts]
+        for r in reqs:
+            eng.submit(r)
+        eng.step()   # prefill of all prompts, samples every first token
+        if any(r.num_output_tokens != 1 for r in reqs):
+            raise RuntimeError("the prefill of the decode batch did not fit one step")
+        n0 = len(eng.step_log)
+        t0 = time.perf_counter()
+        while eng.has_work:
+            eng.step()
+        dt = time.perf_counter() - t0
+        made = sum(r.num_output_tokens for r in reqs) - len(reqs)
+        steps = list(eng.step_log)[n0:]
+        if any(s.num_prefill_tokens for s in steps):
+            raise RuntimeError("a decode step contained prefill tokens")
+        return dt, made, sum(s.batch_size for s in steps) / max(1, len(steps))
+
+
+# ---------------------------------------------------------------------- HF
+class HF:
+    def __init__(self, folder: Path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
+        eos = self.model.config.eos_token_id
+        self.pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+
+    def prefill(self, prompt: list[int]) -> float:
+        torch = self.torch
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                             logits_to_keep=1)
+            out.logits[:, -1].argmax(-1)
+            dt = time.perf_counter() - t0
+        return dt
+
+    def decode(self, prompts: list[list[int]], new_tokens: int, cache: str) -> tuple[float, int]:
+        """(seconds from the first new token to the last, tokens made in that window)."""
+        torch = self.torch
+        ids = torch.tensor(prompts)
+        stamps = _Stamps()
+        kw = {"cache_implementation": "static"} if cache == "static" else {}
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1,
+                pad_token_id=self.pad, streamer=stamps, **kw,
+            )
+        made = out.shape[1] - ids.shape[1]
+        # stamps: [prompt, token 1 (after prefill), token 2, ..., token new_tokens+1]
+        if made != new_tokens + 1 or len(stamps.t) != made + 1:
+            raise RuntimeError(f"HF generate made {made} tokens, {len(stamps.t)} stamps")
+        return stamps.t[-1] - stamps.t[1], len(prompts) * (made - 1)
+
+
+# ---------------------------------------------------------------------- the run
+def _summ(samples: list[float], tokens: int | None = None) -> dict:
+    med = _median(samples)
+    d = {"median_s": med, "samples_s": samples}
+    if tokens is not None:
+        d["tokens"] = tokens
+        d["tok_s"] = tokens / med if med > 0 else math.inf
+        d["samples_tok_s"] = [tokens / s if s > 0 else math.inf for s in samples]
+    return d
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+
+    from pdd.model.loader import default_cache_dir, load_model, resolve_model_path
+
+    sizes = dict(QUICK if args.quick else FULL)
+    for k in ("prefill_lens", "decode_batches", "decode_prompt", "decode_tokens", "prefix_prompt"):
+        v = getattr(args, k, None)
+        if v is not None:
+            sizes[k] = v
+    if args.threads < 1 or args.repeats < 1:
+        print("--threads and --repeats must be >= 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    folder = resolve_model_path(args.model, default_cache_dir())
+    model, mcfg = load_model(folder, torch.float32)
+    vocab = mcfg.vocab_size
+    bs = args.block_size
+    batches, dprompt, dtok = sizes["decode_batches"], sizes["decode_prompt"], sizes["decode_tokens"]
+    plen = sizes["prefix_prompt"]
+    longest = max([*sizes["prefill_lens"], plen, dprompt + dtok + 2])
+    if longest >= mcfg.max_position_embeddings:
+        print(f"prompts of {longest} tokens exceed the model's {mcfg.max_position_embeddings} positions",
+              file=sys.stderr)
+        return 2
+    budget = max(2048, *sizes["prefill_lens"], plen, max(batches) * dprompt)
+    need = max(longest + 1, max(batches) * (dprompt + dtok + 2))
+    num_blocks = -(-need // bs) + max(batches) + 8
+    ours = Ours(model, mcfg, bs, num_blocks, budget, max(32, max(batches)), args.threads)
+    hf = HF(folder) if args.hf else None
+    rng = random.Random(args.seed)
+    R = args.repeats
+
+    # warm-up: allocator, oneDNN/MKL kernels, HF generate machinery
+    wp = _prompts(rng, 2, 32, vocab)
+    ours.prefill(wp[0])
+    ours.decode(wp, 4)
+    if hf:
+        hf.prefill(wp[0])
+        hf.decode(wp, 4, "dynamic")
+        hf.decode(wp, 4, "static")
+
+    result: dict = {
+        "settings": {
+            "model": str(folder), "model_id": mcfg.model_id, "dtype": "float32",
+            "threads": args.threads, "repeats": R, "quick": bool(args.quick), "seed": args.seed,
+            "block_size": bs, "num_blocks": num_blocks, "max_num_batched_tokens": budget,
+            "prefill_one_pass": True, **sizes,
+        },
+        "torch_version": torch.__version__,
+        "transformers_version": _version("transformers"),
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu_count": os.cpu_count(),
+        "method": METHOD,
+    }
+
+    # ---- prefill
+    prefill: dict = {}
+    for L in sizes["prefill_lens"]:
+        _log(f"prefill {L} tokens ...")
+        o, h = [], []
+        for _ in range(R):
+            p = _prompts(rng, 1, L, vocab)[0]
+            o.append(ours.prefill(p)[0])
+            if hf:
+                h.append(hf.prefill(p))
+        e = {"ours": _summ(o, L)}
+        if hf:
+            e["hf"] = _summ(h, L)
+            e["speedup"] = e["hf"]["median_s"] / e["ours"]["median_s"]
+        prefill[str(L)] = e
+    result["prefill"] = prefill
+
+    # ---- decode
+    decode: dict = {}
+    for N in batches:
+        _log(f"decode batch {N} ...")
+        o, h = [], {"dynamic": [], "static": []}
+        o_tokens = h_tokens = 0
+        mean_batch = []
+        for _ in range(R):
+            ps = _prompts(rng, N, dprompt, vocab)
+            dt, o_tokens, mb = ours.decode(ps, dtok)
+            o.append(dt)
+            mean_batch.append(mb)
+            if hf:
+                for cache in h:
+                    dt, h_tokens = hf.decode(ps, dtok, cache)
+                    h[cache].append(dt)
+        e = {"ours": {**_summ(o, o_tokens), "mean_batch": _median(mean_batch)}}
+        if hf:
+            e["hf_dynamic"] = _summ(h["dynamic"], h_tokens)
+            e["hf_static"] = _summ(h["static"], h_tokens)
+            best = max(("hf_dynamic", "hf_static"), key=lambda k: e[k]["tok_s"])
+            e["hf_best"] = best
+            e["speedup"] = e["ours"]["tok_s"] / e[best]["tok_s"]
+        decode[str(N)] = e
+    result["decode"] = decode
+
+    # ---- prefix hit vs cold
+    _log(f"prefix hit vs cold ({plen} tokens) ...")
+    hit_tokens = (int(plen * sizes["prefix_frac"]) // bs) * bs
+    cold, hot, cached = [], [], []
+    for _ in range(R):
+        p = _prompts(rng, 1, plen, vocab)[0]
+        dt, c = ours.prefill(p)             # fresh engine: cold
+        if c:
+            raise RuntimeError("cold prefill found cached tokens")
+        cold.append(dt)
+        eng = ours.engine()
+        ours.warm_prefix(eng, p[:hit_tokens])
+        dt, c = ours.prefill(p, eng)
+        hot.append(dt)
+        cached.append(c)
+    if any(c != hit_tokens for c in cached):
+        raise RuntimeError(f"expected {hit_tokens} cached tokens, got {cached}")
+    result["prefix_hit"] = {
+        "prompt_tokens": plen, "cached_tokens": hit_tokens, "hit_fraction": hit_tokens / plen,
+        "cold": _summ(cold), "hit": _summ(hot),
+        "speedup": _median(cold) / _median(hot),
+    }
+
+    # ---- headline
+    b16 = decode.get("16", {})
+    result["decode_speedup_b16"] = b16.get("speedup")
+    result["prefix_hit_speedup"] = result["prefix_hit"]["speedup"]
+    result["targets"] = {
+        "decode_speedup_b16": TARGET_DECODE_SPEEDUP_B16,
+        "prefix_hit_speedup": TARGET_PREFIX_HIT_SPEEDUP,
+        "decode_speedup_b16_met": None if result["decode_speedup_b16"] is None
+        else result["decode_speedup_b16"] >= TARGET_DECODE_SPEEDUP_B16,
+        "prefix_hit_speedup_met": result["prefix_hit_speedup"] >= TARGET_PREFIX_HIT_SPEEDUP,
+    }
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(format_table(result))
+    print(f"\nwrote {out}")
+    return 0
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(pkg)
+    except Exception:  # pragma: no cover
+        return None
+
+
+def format_table(r: dict) -> str:
+    s = r["settings"]
+    lines = [f"engine bench: {Path(s['model']).name}, fp32, {s['threads']} thread(s), "
+             f"median of {s['repeats']}, torch {r['torch_version']}"]
+    hf = any("hf" in e for e in r["prefill"].values())
+    lines.append("")
+    lines.append(f"{'prefill':<22}{'ours tok/s':>12}{'HF tok/s':>12}{'speedup':>10}")
+    for L, e in r["prefill"].items():
+        lines.append(f"{L + ' tokens':<22}{e['ours']['tok_s']:>12.1f}"
+                     + (f"{e['hf']['tok_s']:>12.1f}{e['speedup']:>9.2f}x" if hf else ""))
+    lines.append("")
+    lines.append(f"{'decode':<22}{'ours tok/s':>12}{'HF dyn':>12}{'HF static':>12}{'speedup':>10}")
+    for N, e in r["decode"].items():
+        row = f"{'batch ' + N:<22}{e['ours']['tok_s']:>12.1f}"
+        if "hf_best" in e:
+            row += (f"{e['hf_dynamic']['tok_s']:>12.1f}{e['hf_static']['tok_s']:>12.1f}"
+                    f"{e['speedup']:>9.2f}x")
+        lines.append(row)
+    p = r["prefix_hit"]
+    lines.append("")
+    lines.append(f"prefix hit: {p['prompt_tokens']}-token prompt, {p['cached_tokens']} cached "
+                 f"({100 * p['hit_fraction']:.0f}%): cold {p['cold']['median_s'] * 1e3:.1f} ms, "
+                 f"hit {p['hit']['median_s'] * 1e3:.1f} ms -> {p['speedup']:.2f}x")
+    d = r["decode_speedup_b16"]
+    lines.append(f"decode_speedup_b16 = {'n/a' if d is None else f'{d:.2f}x'} (target >= "
+                 f"{TARGET_DECODE_SPEEDUP_B16:g}x); prefix_hit_speedup = {r['prefix_hit_speedup']:.2f}x "
+                 f"(target >= {TARGET_PREFIX_HIT_SPEEDUP:g}x)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - `pdd bench engine` is the entry
+    p = argparse.ArgumentParser(prog="python -m pdd.engine.bench")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""PDD on the real SmolLM2 over real sockets and the emulated WAN: eager
+tokens from RLD, the extend-decode handoff in both modes, DRC, the direct
+pipeline for high-hit requests, the abnormal-traffic filter, and a WAN cut."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from deploy_helpers import deployment_toml
+from pdd.deploy.launcher import Deployment
+from pdd.engine.config import EngineConfig
+from pdd.engine.engine import Engine
+from pdd.engine.request import EngineRequest, SamplingParams
+from pdd.model.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+KV_BYTES_PER_TOKEN = 46080          # SmolLM2-135M, fp32
+WAN_MBPS = 40.0                     # 5 MB/s: a 400-token uncached prompt takes ~3.7 s
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """Greedy tokens of one engine alone, memoised."""
+    model, cfg = smollm2
+    cache: dict = {}
+
+    def ref(prompt: list[int], n: int) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in cache:
+            eng = Engine(model, cfg, EngineConfig(num_blocks=256, max_num_batched_tokens=1024))
+            eng.submit(EngineRequest("r", prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
+            out = []
+            while eng.has_work:
+                out += [e.token_id for e in eng.step() if e.token_id is not None]
+            cache[key] = out
+        return cache[key]
+
+    return ref
+
+
+def start(tmp_path_factory, smollm2_dir, name: str, policy: dict) -> Deployment:
+    d = tmp_path_factory.mktemp(name)
+    path = d / "pdd.toml"
+    path.write_text(deployment_toml("pdd", smollm2_dir, wan_mbps=WAN_MBPS, policy=policy,
+                                    engine={"num_blocks": 768, "max_num_batched_tokens": 512}))
+    return Deployment.start(path, run_dir=d / "run", timeout_s=240)
+
+
+def run(dep: Deployment, prompt: list[int], n: int, stream: bool = True) -> tuple[str, dict]:
+    client = openai.OpenAI(base_url=dep.router_url, api_key="x", max_retries=0, timeout=300)
+    kw = dict(model=client.models.list().data[0].id, prompt=prompt, max_tokens=n, temperature=0,
+              extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        text, rid = "".join(c.choices[0].text for c in chunks if c.choices), chunks[0].id
+    else:
+        r = client.completions.create(**kw)
+        text, rid = r.choices[0].text, r.id
+    with urllib.request.urlopen(f"{dep.router_url}/requests/{rid}/trace", timeout=30) as f:
+        return text, json.loads(f.read())
+
+
+def event(trace: dict, name: str) -> dict | None:
+    return next((e for e in trace["events"] if e["name"] == name), None)
+
+
+@pytest.fixture(scope="module")
+def auto(tmp_path_factory, smollm2_dir):
+    dep = start(tmp_path_factory, smollm2_dir, "auto", {"catchup_threshold_tokens": 16})
+    yield dep
+    dep.stop()
+
+
+def test_low_hit_request_streams_from_rld_then_finishes_on_md(auto, reference, smollm2_dir):
+    tok = Tokenizer(smollm2_dir)
+    p = ids(1, 400)
+    text, tr = run(auto, p, 90)
+    assert text == tok.decode(reference(p, 90))
+    assert tr["pipeline"] == "relay", tr["pipeline_reason"]
+    src = tr["token_sources"]
+    assert src[0] == "rld" and src[-1] == "md" and tr["rld_tokens"] >= 2
+    assert src == sorted(src, key=lambda s: s != "rld"), "RLD tokens first, then MD's, no interleaving"
+    md_ready = event(tr, "kv_ready")["ts"]
+    assert tr["token_times_s"][0] < md_ready - 1.0, "first tokens streamed well before MD had the KV"
+    assert tr["handoff_mode"] in ("one_shot", "catch_up") and tr["handoff_gap_s"] is not None
+    assert tr["wan_bytes"] == 400 // 16 * 16 * KV_BYTES_PER_TOKEN      # every full block crossed once
+
+
+def test_second_turn_goes_direct_and_sends_only_new_blocks(auto, reference, smollm2_dir):
+    tok = Tokenizer(smollm2_dir)
+    first = ids(2, 320)
+    _, tr1 = run(auto, first, 50)          # long enough an output not to be filtered: MD gets the KV
+    assert tr1["pipeline"] == "relay"
+    second = first + ids(3, 24)
+    text, tr = run(auto, second, 12, stream=False)
+    assert text == tok.decode(reference(second, 12))
+    assert tr["pipeline"] == "direct", tr["pipeline_reason"]
+    new_blocks = (344 // 16) - (320 // 16)
+    assert tr["wan_bytes"] == new_blocks * 16 * KV_BYTES_PER_TOKEN       # DRC: only what MD lacks
+    assert tr["cached_tokens"] == 320 and set(tr["token_sources"]) == {"md"}
+
+
+def test_long_prompt_short_output_is_filtered_to_rld(auto, reference, smollm2_dir):
+    tok = Tokenizer(smollm2_dir)
+    p = ids(4, 700)
+    text, tr = run(auto, p, 4)
+    assert text == tok.decode(reference(p, 4))
+    assert tr["pipeline"] == "relay_only" and tr["pipeline_reason"].startswith("abnormal")
+    assert tr["wan_bytes"] == 0 < tr["local_bytes"]
+    assert set(tr["token_sources"]) == {"rld"}
+
+
+def test_wan_cut_mid_transfer_finishes_on_rld(auto, reference, smollm2_dir):
+    import asyncio
+
+    tok = Tokenizer(smollm2_dir)
+    ctl = auto.wan_control()
+    p = ids(5, 480)
+    timer = threading.Timer(4.0, lambda: asyncio.run(ctl.cut("reset")))   # prefill ~2.5 s, then transfer
+    timer.start()
+    try:
+        text, tr = run(auto, p, 60)
+    finally:
+        timer.join()
+        asyncio.run(ctl.restore())
+    assert text == tok.decode(reference(p, 60))
+    assert set(tr["token_sources"]) == {"rld"} and tr["pipeline"] == "relay"
+    assert event(tr, "md_dropped") is not None
+
+
+@pytest.mark.parametrize("mode", ["catch_up", "one_shot"])
+def test_forced_handoff_modes_concurrent(mode, tmp_path_factory, smollm2_dir, reference):
+    tok = Tokenizer(smollm2_dir)
+    policy = {"handoff_mode": mode, "catchup_threshold_tokens": 8, "catchup_final_max_tokens": 2,
+              "enable_filter": False}
+    dep = start(tmp_path_factory, smollm2_dir, mode, policy)
+    try:
+        prompts = [ids(10, 360), ids(11, 300)]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: run(dep, p, 70), prompts))
+    finally:
+        dep.stop()
+    for p, (text, tr) in zip(prompts, got):
+        assert text == tok.decode(reference(p, 70))
+        assert tr["pipeline"] == "relay" and tr["handoff_mode"] == mode
+        assert tr["token_sources"][-1] == "md"
+        if mode == "one_shot":
+            assert tr["handoff_batches"] == 1
+        elif tr["rld_tokens"] > 2:
+            assert tr["handoff_batches"] >= 2
