@@ -24,12 +24,15 @@ DEFAULT_SLA_TTFT_S = 3.0
 DEFAULT_SLA_TPOT_S = 0.25
 
 
-class _EngineBenchParser(argparse.ArgumentParser):
-    """Parses `pdd bench engine ...` with pdd.engine.bench's own arguments,
-    importing that module only when this subcommand is used."""
+DELEGATES = {"engine": "pdd.engine.bench", "handoff": "pdd.bench.handoff"}
+
+
+class _DelegateParser(argparse.ArgumentParser):
+    """Parses `pdd bench engine|handoff ...` with that module's own arguments,
+    importing it only when its subcommand is used."""
 
     def parse_known_args(self, args=None, namespace=None):
-        module = importlib.import_module("pdd.engine.bench")
+        module = importlib.import_module(DELEGATES[self.prog.split()[-1]])
         real = argparse.ArgumentParser(prog=self.prog, description=self.description)
         module.add_arguments(real)
         ns, rest = real.parse_known_args(args, namespace)
@@ -39,10 +42,12 @@ class _EngineBenchParser(argparse.ArgumentParser):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.splitlines()[0]
-    sub = parser.add_subparsers(dest="bench_command", metavar="[engine]",
-                                parser_class=_EngineBenchParser)
+    sub = parser.add_subparsers(dest="bench_command", metavar="[engine|handoff]",
+                                parser_class=_DelegateParser)
     sub.add_parser("engine", help="engine micro-benchmark (pdd.engine.bench)",
                    description="engine micro-benchmark", add_help=False)
+    sub.add_parser("handoff", help="100-token handoff: extend recompute vs KV over the WAN",
+                   description="handoff micro-benchmark", add_help=False)
 
     parser.add_argument("-c", "--config", action="append", default=[], metavar="TOML",
                         help="deployment file; repeat to compare modes (run in order)")

@@ -2,7 +2,10 @@
 
 For each mode: start its deployment (blocks until healthy), send `warmup`
 short unrelated requests, send the workload (same seed, same token ids for
-every mode), stop the deployment, write the mode's records.jsonl. Then write summary.json, the plots and report.md under `out`.
+every mode), save what the simulator needs to replay the run (`<mode>/steps.jsonl`: every
+instance's engine steps; `<mode>/deploy.toml`: the deployment file), stop the
+deployment, write the mode's records.jsonl. Then write summary.json, the plots
+and report.md under `out`; `out/workload.json` holds the workload itself.
 
 Deployments come from `pdd.deploy.launcher.Deployment.start(config_path,
 overrides, run_dir)`; tests pass a fake factory with the same shape. An
@@ -131,6 +134,7 @@ def run_mode(spec: ModeSpec, workload: Workload, out: Path, sla: Sla, client: di
         if warmup:   # first forward passes are slow (allocations, lazy init): keep them out
             run_workload_sync(replace(cfg, fetch_trace=False), warmup_requests(workload, warmup))
         records, duration_s = run_workload_sync(cfg, workload.requests, progress.update)
+        save_run_artefacts(dep, spec, mode_dir)
     finally:
         progress.close()
         dep.stop()
@@ -155,6 +159,7 @@ def run_bench(modes: list[ModeSpec], workload: Workload, out: Path, sla: Sla,
                      "sla": {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s},
                      "modes": {}}
     all_records: dict[str, list[RequestRecord]] = {}
+    save_workload(workload, out / "workload.json")
     for spec in modes:
         print(f"== {spec.name}: {spec.config_path} {spec.overrides or ''}", file=sys.stderr)
         try:
@@ -195,3 +200,66 @@ def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(clean(obj), indent=2) + "\n")
     tmp.replace(path)
+
+
+# -- artefacts for the simulator (pdd sim --calibrate / --validate) -------------
+def save_workload(workload: Workload, path: Path) -> None:
+    """The workload as run: settings plus every request, prompt ids included."""
+    reqs = [{"request_id": r.request_id, "arrival_s": r.arrival_s,
+             "num_prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens,
+             "session_id": r.session_id, "turn": r.turn, "depends_on": r.depends_on,
+             "think_time_s": r.think_time_s, "kind": r.kind.value,
+             "prompt_token_ids": list(r.prompt_token_ids)} for r in workload.requests]
+    doc = {"name": workload.name, "settings": workload.settings,
+           "block_size": workload.block_size, "requests": reqs}
+    _write_json(path, doc)
+
+
+def load_workload(path: Path) -> Workload:
+    """Inverse of `save_workload`."""
+    from pdd.bench.workload import RequestKind
+
+    doc = json.loads(Path(path).read_text())
+    reqs = [WorkloadRequest(d["request_id"], float(d["arrival_s"]), list(d["prompt_token_ids"]),
+                            int(d["max_tokens"]), d.get("session_id"), int(d.get("turn", 0)),
+                            d.get("depends_on"), float(d.get("think_time_s", 0.0)),
+                            RequestKind(d.get("kind", "turn"))) for d in doc["requests"]]
+    return Workload(doc.get("name", "workload"), reqs, doc.get("settings", {}),
+                    int(doc.get("block_size", 16)))
+
+
+def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
+    """deploy.toml (+ overrides.json) and steps.jsonl of a real deployment.
+
+    Fake deployments (no `.spec` / `.secret`) are skipped; a failure here is
+    reported and never costs the mode its measured records.
+    """
+    try:
+        src = Path(spec.config_path)
+        if src.is_file():
+            (mode_dir / "deploy.toml").write_text(src.read_text())
+        if spec.overrides:
+            _write_json(mode_dir / "overrides.json", spec.overrides)
+        dspec = getattr(dep, "spec", None)
+        secret = getattr(dep, "secret", None) if dspec is not None else None
+        if dspec is None or not isinstance(secret, bytes):
+            return
+        with open(mode_dir / "steps.jsonl", "w") as f:
+            for inst in dspec.instances:
+                for rec in fetch_steps(f"http://{inst.host}:{inst.port}", secret):
+                    f.write(json.dumps(rec) + "\n")
+    except Exception:  # noqa: BLE001 - calibration data is a bonus
+        traceback.print_exc()
+
+
+def fetch_steps(base_url: str, secret: bytes, timeout_s: float = 30.0) -> list[dict]:
+    """GET /internal/steps (signed): one dict per engine step, tagged with instance and role."""
+    import urllib.request
+
+    from pdd.server.http_auth import sign
+
+    path = "/internal/steps"
+    req = urllib.request.Request(base_url + path, headers=sign(secret, "GET", path))
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        doc = json.loads(r.read())
+    return [{"instance": doc.get("instance"), "role": doc.get("role"), **s} for s in doc.get("steps", [])]

@@ -87,6 +87,7 @@ class PagedAttention:
     def __init__(self, kv: torch.Tensor, md: AttentionMetadata):
         self.kv = kv  # [L, 2, S, KVH, D]
         self.md = md
+        self._dec_buf: torch.Tensor | None = None  # decode gather target, reused by every layer
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = self.md
@@ -122,7 +123,10 @@ class PagedAttention:
         """qd: [B, H, D] single-token queries -> [B, H, D]."""
         md = self.md
         B = qd.shape[0]
-        g = paged.index_select(1, md.decode_blocks).view(2, B, -1, KVH, D)   # [2, B, Lpad, KVH, D]
+        if self._dec_buf is None:   # one allocation per step, not per layer
+            self._dec_buf = paged.new_empty((2, md.decode_blocks.numel()) + tuple(paged.shape[2:]))
+        g = torch.index_select(paged, 1, md.decode_blocks, out=self._dec_buf)
+        g = g.view(2, B, -1, KVH, D)                                         # [2, B, Lpad, KVH, D]
         kd = g[0].transpose(1, 2)                                            # [B, KVH, Lpad, D]
         vd = g[1].transpose(1, 2)
         od = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=md.decode_mask, enable_gqa=True)

@@ -68,6 +68,7 @@ class InstanceServer:
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics_endpoint)
         r.add_get("/internal/stats", self.stats)
+        r.add_get("/internal/steps", self.steps)
         r.add_post("/internal/match", self.match)
         r.add_post("/internal/abort", self.abort)
         if inst.role == Role.COLOCATED:
@@ -118,6 +119,13 @@ class InstanceServer:
         stats |= {"name": self.inst.name, "role": self.inst.role.value, "datacenter": self.inst.datacenter,
                   "max_num_seqs": self.engine.cfg.max_num_seqs}
         return web.json_response(stats)
+
+    async def steps(self, request: web.Request) -> web.Response:
+        """The engine's step records (shape and wall time), for simulator calibration."""
+        from dataclasses import asdict
+
+        records = await self.loop.call(lambda e: [asdict(r) for r in e.step_log])
+        return web.json_response({"instance": self.inst.name, "role": self.inst.role.value, "steps": records})
 
     async def match(self, request: web.Request) -> web.Response:
         ids = (await request.json()).get("prompt_ids", [])

@@ -1,7 +1,16 @@
-"""`pdd sim -c FILE [-c FILE ...] [--out DIR]`: simulate deployments side by side.
+"""`pdd sim`: the cluster simulator.
 
-Also `pdd sim --calibrate STEPS.jsonl --model M --hardware H`: fit the cost
-model to an engine's step log and print the coefficients.
+    pdd sim -c examples/sim/report-88a.toml -c examples/sim/report-pdd.toml --out DIR
+        simulator scenarios (GPU profiles, report scale), modes side by side
+    pdd sim -c examples/pdd.toml --workload agentic --quick --out DIR [--calibration CAL]
+        runtime deployment files on this CPU, on the very workload `pdd bench`
+        would send (same flags, defaults and seed); same summary.json schema
+    pdd sim --calibrate results/quick [more steps.jsonl or dirs] [--out cal.json]
+        fit the CPU profile to the engine steps a bench run saved
+    pdd sim --validate results/quick
+        replay a bench run, write results/quick/validation.json, print errors
+    pdd sim report --out results/sim-report [--quick]
+        the report's figures (PNG) and report.md
 """
 
 from __future__ import annotations
@@ -11,43 +20,142 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.splitlines()[0]
+    p.add_argument("command", nargs="?", choices=["report"], default=None,
+                   help="report: draw the report's figures from simulator sweeps")
     p.add_argument("-c", "--config", action="append", type=Path, default=[],
-                   help="scenario TOML (repeat to put modes side by side)")
-    p.add_argument("--out", type=Path, default=None, help="write summary.json here")
-    p.add_argument("--records", action="store_true", help="also write records-<mode>.jsonl")
+                   help="scenario TOML or runtime deployment TOML (repeat for modes side by side)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (summary.json ...); with --calibrate, a .json file")
+    p.add_argument("--records", action="store_true", help="scenarios: also write records-<mode>.jsonl")
     p.add_argument("--duration", type=float, default=None,
-                   help="override workload.duration_s (quick looks)")
-    p.add_argument("--calibrate", type=Path, default=None, metavar="STEPS_JSONL",
-                   help="fit the cost model to step records instead of simulating")
+                   help="scenarios: override workload.duration_s (quick looks)")
+    p.add_argument("--calibrate", nargs="+", type=Path, default=None, metavar="STEPS",
+                   help="fit the CPU profile to steps.jsonl files or bench result folders")
+    p.add_argument("--calibration", type=Path, default=None, metavar="CAL_JSON",
+                   help="runtime files / --validate: CPU profile fitted by --calibrate")
+    p.add_argument("--validate", type=Path, default=None, metavar="RUN",
+                   help="replay the bench run RUN (results/<name>) and write validation.json")
     p.add_argument("--model", default="smollm2-135m", help="model preset for --calibrate")
     p.add_argument("--hardware", default="cpu", help="hardware profile for --calibrate")
-    p.add_argument("--chips", type=int, default=1, help="chips per instance for --calibrate")
+    p.add_argument("--quick", action="store_true",
+                   help="runtime: the quick bench workload; report: shorter sweeps")
+    p.add_argument("--no-plots", action="store_true")
+
+    w = p.add_argument_group("workload (runtime files; as `pdd bench`)")
+    w.add_argument("--workload", default="agentic", help="agentic | trace:PATH")
+    w.add_argument("--num-requests", type=int, default=None)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--sla-ttft", type=float, default=None, metavar="S")
+    w.add_argument("--sla-tpot", type=float, default=None, metavar="S")
+    w.add_argument("--vocab-size", type=int, default=49152)
+    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--arrival-rate", type=float, default=None)
+    w.add_argument("--open-loop", action="store_true")
+    w.add_argument("--time-scale", type=float, default=None)
+    w.add_argument("--length-scale", type=float, default=None)
+    w.add_argument("--max-input-tokens", type=int, default=None)
+    w.add_argument("--max-output-tokens", type=int, default=None)
+    w.add_argument("--start-index", type=int, default=0)
+
+    r = p.add_argument_group("runtime overheads (runtime files, --validate)")
+    r.add_argument("--token-overhead-ms", type=float, default=None,
+                   help="per streamed token, instance -> router -> client")
+    r.add_argument("--request-overhead-ms", type=float, default=None,
+                   help="router work before a request reaches P")
+    r.add_argument("--loopback-mbps", type=float, default=None, help="local KV link")
+
+
+def _options(args):
+    import dataclasses
+
+    from pdd.sim.deployment import RuntimeOptions
+
+    o = RuntimeOptions()
+    if args.token_overhead_ms is not None:
+        o = dataclasses.replace(o, token_s=args.token_overhead_ms / 1e3)
+    if args.request_overhead_ms is not None:
+        o = dataclasses.replace(o, request_s=args.request_overhead_ms / 1e3)
+    if args.loopback_mbps is not None:
+        o = dataclasses.replace(o, loopback_gbps=args.loopback_mbps / 1e3)
+    return o
+
+
+def _calibration(args):
+    from pdd.sim.calibration import CpuCalibration
+
+    return CpuCalibration.load(args.calibration) if args.calibration else None
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
+    if args.command == "report":
+        from pdd.sim.report import run_report
+
+        return run_report(args.out or Path("results/sim-report"), quick=args.quick)
+    if args.calibrate is not None:
+        return _run_calibrate(args)
+    if args.validate is not None:
+        from pdd.sim.validate import print_table, validate
+
+        v = validate(args.validate, _calibration(args), _options(args))
+        print_table(v)
+        print(f"wrote {args.validate / 'validation.json'}")
+        return 0
+    if not args.config:
+        print("pdd sim: give at least one -c FILE (or --calibrate / --validate / report)")
+        return 2
+    from pdd.sim.runtime import is_runtime_file
+
+    kinds = {is_runtime_file(c) for c in args.config}
+    if len(kinds) > 1:
+        print("pdd sim: do not mix deployment files and simulator scenarios in one run")
+        return 2
+    return _run_runtime(args) if kinds == {True} else _run_scenarios(args)
+
+
+def _run_calibrate(args) -> int:
     import json
 
-    if args.calibrate is not None:
-        from pdd.sim.cost_model import CostModel, calibrate
-        from pdd.sim.hardware import get_profile
-        from pdd.sim.model_shape import get_model
+    from pdd.sim.calibration import fit
+    from pdd.sim.model_shape import get_model
 
-        recs = [json.loads(l) for l in args.calibrate.read_text().splitlines() if l.strip()]
-        base = CostModel(get_model(args.model), get_profile(args.hardware), args.chips)
-        cal = calibrate(recs, base)
-        m = cal.model
-        print(json.dumps({"num_records": cal.num_records, "rmse_s": cal.rmse_s, "r2": cal.r2,
-                          "mfu": m.mfu, "mbu": m.mbu, "overhead_s": m.overhead_s,
-                          "per_seq_s": m.per_seq_s}, indent=2))
-        return 0
+    cal = fit(args.calibrate, get_model(args.model), args.hardware)
+    print(json.dumps(cal.to_dict(), indent=2))
+    if args.out is not None:
+        path = args.out if args.out.suffix == ".json" else args.out / "calibration.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cal.save(path)
+        print(f"wrote {path}")
+    return 0
+
+
+def _run_runtime(args) -> int:
+    from pdd.bench import report
+    from pdd.bench.cli import DEFAULT_SLA_TPOT_S, DEFAULT_SLA_TTFT_S, build_workload
+    from pdd.bench.metrics import Sla
+    from pdd.sim.runtime import RuntimeMode, simulate_deployments
+
+    names = [c.stem for c in args.config]
+    if len(set(names)) != len(names):
+        print(f"pdd sim: two deployment files share a file stem: {names}")
+        return 2
+    wl = build_workload(args)
+    sla = Sla(args.sla_ttft or DEFAULT_SLA_TTFT_S, args.sla_tpot or DEFAULT_SLA_TPOT_S)
+    modes = [RuntimeMode(c.stem, str(c)) for c in args.config]
+    summary = simulate_deployments(modes, wl, sla, args.out, _calibration(args), _options(args),
+                                   plots=not args.no_plots)
+    report.print_table(summary)
+    print(f"wall {summary['wall_s']:.2f}s, simulated {summary['simulated_s']:.1f}s"
+          + (f", wrote {args.out / 'summary.json'}" if args.out else ""))
+    return 0
+
+
+def _run_scenarios(args) -> int:
+    import dataclasses
 
     from pdd.sim.runner import simulate
     from pdd.sim.scenario import load
 
-    if not args.config:
-        print("pdd sim: give at least one -c FILE")
-        return 2
     scenario = load(args.config)
     if args.duration is not None:
         scenario = dataclasses.replace(
@@ -55,6 +163,13 @@ def run(args: argparse.Namespace) -> int:
             settings=dataclasses.replace(scenario.settings,
                                          warmup_s=min(scenario.settings.warmup_s, args.duration / 4)))
     summary = simulate(scenario, args.out, args.records)
+    print_scenario_table(summary)
+    print(f"wall {summary['wall_s']:.1f}s, simulated {summary['simulated_s']:.0f}s"
+          + (f", wrote {args.out / 'summary.json'}" if args.out else ""))
+    return 0
+
+
+def print_scenario_table(summary: dict) -> None:
     print(f"{'mode':<14}{'reqs':>7}{'fail':>6}{'TTFT p50':>10}{'p90':>8}{'p99':>8}"
           f"{'TPOT p50':>10}{'SLA%':>7}{'goodput':>9}{'$/h':>8}{'BCR':>9}{'RLD%':>6}")
     for name, m in summary["modes"].items():
@@ -63,6 +178,3 @@ def run(args: argparse.Namespace) -> int:
               f"{m['tpot_s']['p50'] * 1e3:>8.1f}ms{m['sla_attainment'] * 100:>6.1f}"
               f"{m['goodput_rps']:>9.3f}{m['cost_per_hour']:>8.1f}{m['bcr'] * 1e3:>9.3f}"
               f"{m['rld_token_share'] * 100:>6.1f}")
-    print(f"wall {summary['wall_s']:.1f}s, simulated {summary['simulated_s']:.0f}s"
-          + (f", wrote {args.out / 'summary.json'}" if args.out else ""))
-    return 0

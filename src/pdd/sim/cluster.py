@@ -18,6 +18,13 @@ A request's path, as modelled:
   the final one MD decodes the rest.
 * The filter acts at routing time (RELAY_ONLY, no WAN bytes) and once more
   when RLD starts decoding (`should_cancel_wan` on the live transfer).
+
+A mode read from a runtime deployment file (`mode.serving` set) adds what the
+real servers add around their engines: the router's own latency before a
+request reaches P, each token's trip from its instance to the user, and CPU
+cores shared by several instances. A shared core is a processor-sharing
+server (the `Link` arithmetic with seconds of work for bytes): the steps of
+its instances interleave, each running at 1/n speed while n are busy.
 """
 
 from __future__ import annotations
@@ -46,18 +53,30 @@ class Cluster:
         self.block_size = stream.block_size
         self.stride = scenario.settings.token_stride
         self.instances: dict[str, SimInstance] = {}
+        cores = [p.core for p in mode.pools if p.core is not None for _ in range(p.count)]
+        shared = {c for c in cores if cores.count(c) > 1}
+        self.core_of: dict[str, str] = {}
         for pool in mode.pools:
             cost = CostModel(self.model, get_profile(pool.hardware), pool.chips,
-                             pool.mfu, pool.mbu, pool.overhead_s, pool.per_seq_s)
-            blocks = cost.kv_capacity_tokens(pool.mem_fraction) // self.block_size
+                             pool.mfu, pool.mbu, pool.overhead_s, pool.per_seq_s, pool.time_scale)
+            blocks = pool.kv_blocks or cost.kv_capacity_tokens(pool.mem_fraction) // self.block_size
             cache = pool.prefix_cache and (pool.role is not Role.RELAY)
             if pool.role in DECODERS and not self.cfg.enable_drc:
                 cache = False
+            # A time-sliced step's end moves whenever a neighbour starts or ends
+            # one, so shared cores run step by step (no macro steps).
+            macro = 1 if pool.core in shared else scenario.settings.max_macro_steps
             for i in range(pool.count):
-                iid = f"{pool.role.value}-{pool.datacenter}-{pool.hardware}-{i:03d}"
+                if pool.name:
+                    iid = pool.name if pool.count == 1 else f"{pool.name}-{i}"
+                else:
+                    iid = f"{pool.role.value}-{pool.datacenter}-{pool.hardware}-{i:03d}"
                 self.instances[iid] = SimInstance(
                     iid, pool.role, pool.datacenter, cost, pool.max_batch, pool.token_budget,
-                    self.block_size, blocks, cache, scenario.settings.max_macro_steps)
+                    self.block_size, blocks, cache, macro, pool.chunk_packing == "single")
+                if pool.core in shared:
+                    self.core_of[iid] = f"core{pool.core}"
+        self.cores = {c: Link(c, 1.0, 0.0, 1.0) for c in sorted(set(self.core_of.values()))}
         self.colocated = [i for i in self.instances.values() if i.role is Role.COLOCATED]
         dcs = sorted({i.datacenter for i in self.instances.values()})
         self.links = {f"rdma-{dc}": Link(f"rdma-{dc}", mode.rdma.bandwidth_bytes_s, mode.rdma.rtt_s,
@@ -78,12 +97,22 @@ class Cluster:
         self.loop.on(EventKind.ARRIVAL, self._on_arrival)
         self.loop.on(EventKind.STEP_END, self._on_step_end)
         self.loop.on(EventKind.TRANSFER_DONE, self._on_transfer_done)
+        self.loop.on(EventKind.CORE_DONE, self._on_core_done)
         self.loop.on(EventKind.MESSAGE, lambda ev: ev.data(ev.time))
+        self.router_delay_s = 0.0
+        sv = mode.serving
+        if sv is not None:
+            for inst in self.instances.values():
+                inst.deliver_s = sv.token_s + self._one_way_dc(sv.router_datacenter, inst.datacenter)
+            asked = [i for i in self.instances.values() if i.role in (Role.PREFILL, Role.MAIN)]
+            rtt = max((2 * self._one_way_dc(sv.router_datacenter, i.datacenter) for i in asked),
+                      default=0.0)
+            self.router_delay_s = sv.request_s + (rtt if sv.match_round_trip else 0.0)
 
     # --- running -------------------------------------------------------------
     def run(self, until_s: float) -> list[SimRequest]:
         for spec in self.stream.initial():
-            self.loop.push(Event(spec.arrival_s, EventKind.ARRIVAL, spec.request_id, spec))
+            self.loop.push(self._arrival(spec))
         self.loop.run(until_s)
         for req in self.requests:
             if req.done_s is None:
@@ -93,6 +122,16 @@ class Cluster:
     # --- helpers -------------------------------------------------------------
     def _link_name(self, dc_a: str, dc_b: str) -> str:
         return f"rdma-{dc_a}" if dc_a == dc_b else "wan"
+
+    def _one_way_dc(self, dc_a: str, dc_b: str) -> float:
+        if dc_a == dc_b:
+            return self.mode.rdma.rtt_s / 2
+        return self.mode.wan.rtt_s / 2 if self.mode.wan is not None else 0.0
+
+    def _arrival(self, spec) -> Event:
+        # The router's own work (and prefix-match round trips) come before the
+        # policy sees the request; the record keeps the user's send time.
+        return Event(spec.arrival_s + self.router_delay_s, EventKind.ARRIVAL, spec.request_id, spec)
 
     def _later(self, delay: float, key: str, fn) -> Event:
         return Event(self.loop.now + delay, EventKind.MESSAGE, key, fn)
@@ -107,8 +146,22 @@ class Cluster:
         evs = self._run_pending(inst, now)
         t = inst.start_step(now)
         evs += self._on_admitted(inst, now)
-        if t is not None:
+        if t is None:
+            return evs
+        core = self.core_of.get(inst.instance_id)
+        if core is None:
             evs.append(Event(t, EventKind.STEP_END, inst.instance_id, inst.version))
+        else:
+            nxt = self.cores[core].add(now, inst.instance_id, max(t - now, 1e-9))
+            if nxt:
+                evs.append(Event(nxt[0], EventKind.CORE_DONE, core, nxt[1]))
+        return evs
+
+    def _on_core_done(self, ev: Event) -> list[Event]:
+        done, nxt = self.cores[ev.key].complete(ev.time, ev.data)
+        evs = [Event(nxt[0], EventKind.CORE_DONE, ev.key, nxt[1])] if nxt else []
+        for flow in done:
+            evs += self._step_done(self.instances[flow.flow_id], ev.time)
         return evs
 
     def _deliver(self, inst: SimInstance, now: float, fn) -> list[Event]:
@@ -176,7 +229,9 @@ class Cluster:
         inst = self.instances[ev.key]
         if ev.data != inst.version or not inst.busy:
             return []       # truncated macro step: a newer end is queued
-        now = ev.time
+        return self._step_done(inst, ev.time)
+
+    def _step_done(self, inst: SimInstance, now: float) -> list[Event]:
         out = inst.end_step(now)
         evs: list[Event] = []
         for job in out.jobs_done:
@@ -200,7 +255,7 @@ class Cluster:
             p.cache.insert(s.block_ids)
         if p.role is Role.COLOCATED:
             p.release(job.num_blocks)
-            req.emit([now], relay=False)
+            req.emit([now], relay=False, delay_s=p.deliver_s)
             if req.finished:
                 return self._finish(req, now, cache_on=p)
             p.add_seq(Seq(req, s.prompt_tokens + 1, job.num_blocks, relay=False))
@@ -269,7 +324,7 @@ class Cluster:
     def _rld_kv_ready(self, req: SimRequest, rld: SimInstance, now: float) -> list[Event]:
         if req.done_s is not None:
             return []
-        req.emit([now], relay=True)
+        req.emit([now], relay=True, delay_s=rld.deliver_s)
         if req.finished:
             return self._end_on_rld(req, now)
         s = req.spec
@@ -296,7 +351,7 @@ class Cluster:
             return []
         blocks = md.blocks_for(s.prompt_tokens + s.max_tokens)
         if req.decision.pipeline is Pipeline.DIRECT:
-            req.emit([now], relay=False)
+            req.emit([now], relay=False, delay_s=md.deliver_s)
             if req.finished:
                 return self._finish(req, now, cache_on=md)
             req.md_seq = Seq(req, s.prompt_tokens + 1, blocks, relay=False)
@@ -384,13 +439,15 @@ class Cluster:
 
     def _finish(self, req: SimRequest, now: float, error: str | None = None,
                 cache_on: SimInstance | None = None) -> list[Event]:
-        req.done_s = now
+        req.done_s = now + req.last_delay_s      # when the user saw the end
         if error is not None:
             req.failed, req.error = True, error
         if cache_on is not None and cache_on.cache is not None:
             cache_on.cache.insert(req.spec.full_block_ids)
-        nxt = self.stream.next_after(req.spec, now, req.failed)
-        return [] if nxt is None else [Event(nxt.arrival_s, EventKind.ARRIVAL, nxt.request_id, nxt)]
+        nxt = self.stream.next_after(req.spec, req.done_s, req.failed)
+        if nxt is None:
+            return []
+        return [self._arrival(n) for n in (nxt if isinstance(nxt, list) else [nxt])]
 
 
 def _bytes(gbps: float | None) -> float | None:

@@ -62,12 +62,15 @@ class CostModel:
     mbu: float = 0.7
     overhead_s: float = 0.004
     per_seq_s: float = 20e-6
+    # Stretches whole steps: a machine that lends part of its cores to other
+    # processes (measured per run by `pdd.sim.calibration`), 1.0 elsewhere.
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.chips < 1 or not 0 < self.mfu <= 1 or not 0 < self.mbu <= 1:
             raise ValueError("chips >= 1 and mfu, mbu in (0, 1] required")
-        if self.overhead_s < 0 or self.per_seq_s < 0:
-            raise ValueError("overheads must be >= 0")
+        if self.overhead_s < 0 or self.per_seq_s < 0 or self.time_scale <= 0:
+            raise ValueError("overheads must be >= 0 and time_scale > 0")
 
     # --- the two roofline inputs, at the profile's peak ------------------
     def compute_s(self, s: StepShape) -> float:
@@ -86,7 +89,7 @@ class CostModel:
 
     def step_time(self, s: StepShape) -> float:
         roof = max(self.compute_s(s) / self.mfu, self.memory_s(s) / self.mbu)
-        return self.overhead_s + self.per_seq_s * s.batch_size + roof + self.comm_s(s)
+        return self.time_scale * (self.overhead_s + self.per_seq_s * s.batch_size + roof + self.comm_s(s))
 
     def fast(self) -> "FastStepTime":
         return FastStepTime(self)
@@ -185,7 +188,7 @@ class FastStepTime:
     """
 
     __slots__ = ("_over", "_per_seq", "_lin", "_attn", "_w_total", "_w_active",
-                 "_kv", "_inv_f", "_inv_b", "_comm")
+                 "_kv", "_inv_f", "_inv_b", "_comm", "_scale")
 
     def __init__(self, c: CostModel) -> None:
         m, n = c.model, c.chips
@@ -199,6 +202,7 @@ class FastStepTime:
         self._inv_b = 1.0 / (n * c.hw.mem_bw_bytes_s * c.mbu)
         self._comm = (m.allreduce_bytes(1) * 2 * (n - 1) / n / c.hw.interconnect_bytes_s
                       if n > 1 else 0.0)
+        self._scale = c.time_scale
 
     def __call__(self, num_tokens: int, batch: int, ctx_sum: float, pairs: float) -> float:
         flops = self._lin * num_tokens + self._attn * pairs
@@ -208,4 +212,5 @@ class FastStepTime:
         b = mem * self._inv_b
         if b > roof:
             roof = b
-        return self._over + self._per_seq * batch + roof + self._comm * num_tokens
+        t = self._over + self._per_seq * batch + roof + self._comm * num_tokens
+        return t if self._scale == 1.0 else t * self._scale

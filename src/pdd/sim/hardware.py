@@ -46,7 +46,7 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     HardwareProfile("mi300x", 2615 * TERA, 192e9, 5.3e12, 448e9, 2.50),
     HardwareProfile("b200", 4500 * TERA, 180e9, 8.0e12, 900e9, 5.00),
     # This CPU, before calibration: a few cores of FP32 SIMD, DDR bandwidth.
-    HardwareProfile("cpu", 100e9, 16 * GIB, 10e9, 10e9, 0.05),
+    HardwareProfile("cpu", 100e9, 16 * GIB, 20e9, 10e9, 0.05),
 )}
 
 

@@ -3,8 +3,9 @@
 Each step carries one token for every decoding sequence plus prefill /
 extend chunks, first come first served, up to `token_budget` tokens; a job
 whose remainder is smaller than the budget left yields a small *tail chunk*,
-which is where the report's bathtub valleys come from. Steps are timed by the
-cost model. A run of decode-only steps with a stable batch is simulated as
+which is where the report's bathtub valleys come from; with packing the tail
+shares its step with the next job's head, with `single_chunk` it runs alone.
+Steps are timed by the cost model. A run of decode-only steps with a stable batch is simulated as
 one *macro step* (up to `max_macro_steps`), which a new piece of work
 truncates at the next step boundary, so the result equals step-by-step
 simulation while the event count drops by that factor.
@@ -70,7 +71,8 @@ class StepOutcome:
 class SimInstance:
     def __init__(self, instance_id: str, role: Role, datacenter: str, cost: CostModel,
                  max_batch: int, token_budget: int, block_size: int, kv_blocks: int,
-                 cache: bool, max_macro_steps: int = 32) -> None:
+                 cache: bool, max_macro_steps: int = 32, single_chunk: bool = False,
+                 deliver_s: float = 0.0) -> None:
         if kv_blocks <= 0:
             raise ValueError(f"{instance_id}: no KV memory left after the weights")
         self.instance_id, self.role, self.datacenter = instance_id, role, datacenter
@@ -81,6 +83,8 @@ class SimInstance:
         self.used_blocks = 0
         self.cache = PrefixCache(kv_blocks) if cache else None
         self.max_macro_steps = max_macro_steps
+        self.single_chunk = single_chunk     # one prefill chunk per step: tail chunks run alone
+        self.deliver_s = deliver_s           # instance -> user latency of a streamed token
         self.jobs: deque[Job] = deque()
         self.waiting: deque[Seq] = deque()
         self.decoding: list[Seq] = []
@@ -160,12 +164,16 @@ class SimInstance:
                 if not self.allocate(job.num_blocks):
                     break   # head-of-line: FCFS, no overtaking
                 job.started = True
+                if job.kind is JobKind.PREFILL and self.cache is not None:
+                    self._rematch(job)
             c = min(job.num_tokens - job.done, budget)
             start = job.ctx_start + job.done
             chunks.append((job, c))
             pairs += chunk_pairs(start, c)
             ctx += start
             budget -= c
+            if self.single_chunk:
+                break
         if not chunks and not batch:
             return None
         n_dec = len(batch)
@@ -186,6 +194,17 @@ class SimInstance:
         self.busy = True
         self.version += 1
         return times[-1]
+
+    def _rematch(self, job: Job) -> None:
+        """At admission the cache may hold more of the prompt than at routing
+        (an earlier request's chunks landed meanwhile): skip what it holds."""
+        spec = job.req.spec
+        hit = min(self.cache.match(spec.block_ids) * self.block_size, spec.prompt_tokens - 1)
+        if hit > job.ctx_start:
+            job.num_tokens -= hit - job.ctx_start
+            job.ctx_start = hit
+            job.req.cached_tokens = hit
+            job.req.uncached_kv_bytes = job.num_tokens * self.cost.model.kv_bytes_per_token
 
     @property
     def current_chunks(self) -> tuple[tuple[str, int], ...]:
@@ -215,6 +234,8 @@ class SimInstance:
         out = StepOutcome()
         times = self._times
         k = len(times)
+        if k == 1:
+            times = [now]     # a time-sliced core may have stretched the step
         self.busy = False
         self.num_steps += k
         self.busy_s += now - self._start
@@ -222,6 +243,9 @@ class SimInstance:
             job.done += c
             if job.done >= job.num_tokens:
                 out.jobs_done.append(job)
+            if job.kind is JobKind.PREFILL and self.cache is not None:
+                # Blocks count as cached once computed, as in a paged engine.
+                self.cache.insert(job.req.spec.block_ids[: (job.ctx_start + job.done) // self.block_size])
         if out.jobs_done:
             done = set(map(id, out.jobs_done))
             self.jobs = deque(j for j in self.jobs if id(j) not in done)
@@ -231,7 +255,7 @@ class SimInstance:
                 self.step_time_s = per if self.step_time_s is None else (
                     self.step_time_s + 0.2 * (per - self.step_time_s))
             for seq in self._batch:
-                seq.req.emit(times, seq.relay)
+                seq.req.emit(times, seq.relay, self.deliver_s)
                 seq.context += k
                 if seq.tokens_left() <= 0:
                     out.seqs_ended.append(seq)

@@ -25,9 +25,10 @@ class EventKind(IntEnum):
     # Order matters: lower runs first among events at the same time.
     TRANSFER_DONE = 0
     STEP_END = 1
-    MESSAGE = 2
-    ARRIVAL = 3
-    STEP_START = 4
+    CORE_DONE = 2       # a step on a time-sliced CPU core ended
+    MESSAGE = 3
+    ARRIVAL = 4
+    STEP_START = 5
 
 
 class Event:

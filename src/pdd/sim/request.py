@@ -51,7 +51,7 @@ class SimRequest:
                  "rld_tokens", "last_rld_token_s", "first_md_token_s", "wan_bytes",
                  "uncached_kv_bytes", "pipeline", "handoff_mode", "done_s", "failed",
                  "error", "decision", "session", "p_id", "rld_seq", "md_seq", "wan_flow",
-                 "p_blocks", "pending_transfers", "ended_on_rld")
+                 "p_blocks", "pending_transfers", "ended_on_rld", "last_delay_s")
 
     def __init__(self, spec: RequestSpec, stride: int = 1) -> None:
         self.spec = spec
@@ -79,16 +79,21 @@ class SimRequest:
         self.p_blocks = 0
         self.pending_transfers = 0
         self.ended_on_rld = False
+        self.last_delay_s = 0.0
 
     @property
     def finished(self) -> bool:
         return self.num_generated >= self.spec.output_tokens
 
-    def emit(self, times: list[float], relay: bool) -> None:
-        """The next len(times) output tokens were streamed at these times."""
+    def emit(self, times: list[float], relay: bool, delay_s: float = 0.0) -> None:
+        """The next len(times) output tokens were made at these times and
+        reach the user `delay_s` later."""
         k = len(times)
         if k == 0:
             return
+        if delay_s:
+            times = [t + delay_s for t in times]
+        self.last_delay_s = delay_s
         first = self.num_generated
         last_idx = self.spec.output_tokens - 1
         s = self.stride

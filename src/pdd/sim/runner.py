@@ -16,11 +16,15 @@ from pathlib import Path
 from pdd.bench.metrics import summarize_mode
 from pdd.sim.cluster import Cluster
 from pdd.sim.scenario import ModeSpec, Scenario
-from pdd.sim.workload import AgenticStream, AgenticWorkload, TraceStream
+from pdd.sim.workload import (
+    AgenticStream, AgenticWorkload, FixedHitStream, FixedHitWorkload, TraceStream,
+)
 
 
 def make_stream(scenario: Scenario):
     w = scenario.workload
+    if isinstance(w, FixedHitWorkload):
+        return FixedHitStream(w)
     return AgenticStream(w) if isinstance(w, AgenticWorkload) else TraceStream(w)
 
 

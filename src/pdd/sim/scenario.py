@@ -2,7 +2,7 @@
 
     [sim]        duration / warm-up / drain, token-time stride, macro steps
     [model]      preset = "report-moe" (+ field overrides)
-    [workload]   kind = "agentic" | "trace" (+ AgenticWorkload / TraceWorkload fields)
+    [workload]   kind = "agentic" | "fixed_hit" | "trace" (+ that workload's fields)
     [sla]        ttft_s, tpot_s
     [[mode]]     name, [mode.policy] (PolicyConfig fields), [mode.rdma], [mode.wan],
                  [[mode.pool]] role, hardware, chips, count, datacenter, max_batch, ...
@@ -21,7 +21,7 @@ from pdd.bench.metrics import Sla
 from pdd.policy import PolicyConfig, Role
 from pdd.sim.hardware import get_profile
 from pdd.sim.model_shape import ModelShape, get_model
-from pdd.sim.workload import AgenticWorkload, TraceWorkload
+from pdd.sim.workload import AgenticWorkload, FixedHitWorkload, TraceWorkload
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,16 @@ class PoolSpec:
     mbu: float = 0.7
     overhead_s: float = 0.004
     per_seq_s: float = 20e-6
+    # "packed": a step fills its token budget with chunks of several jobs (a
+    # job's tail chunk rides with the next job's head); "single": one prefill
+    # chunk per step, so a tail chunk runs alone (the report's bathtub valleys).
+    chunk_packing: str = "packed"
+    time_scale: float = 1.0               # stretches every step (a CPU shared with foreign load)
+    # Set by runtime deployment files (pdd.sim.deployment), rarely by hand:
+    name: str | None = None               # instance name (instance ids follow it)
+    kv_blocks: int | None = None          # fixed KV pool (engine num_blocks) instead of memory-derived
+    price_per_hour: float | None = None   # per instance; default chips x the hardware's price
+    core: int | None = None               # CPU core the instance is pinned to; a shared core time-slices
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str):
@@ -46,6 +56,15 @@ class PoolSpec:
         get_profile(self.hardware)
         if self.chips < 1 or self.count < 0 or self.max_batch < 1 or self.token_budget < 1:
             raise ValueError(f"pool {self.role.value}: chips, max_batch, token_budget >= 1, count >= 0")
+        if self.chunk_packing not in ("packed", "single"):
+            raise ValueError(f"pool {self.role.value}: chunk_packing must be 'packed' or 'single'")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ValueError(f"pool {self.role.value}: kv_blocks must be >= 1")
+
+    def instance_price(self) -> float:
+        if self.price_per_hour is not None:
+            return self.price_per_hour
+        return self.chips * get_profile(self.hardware).price_per_hour
 
 
 @dataclass(frozen=True)
@@ -65,15 +84,33 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class ServingOverheads:
+    """What a real deployment adds around the engines (runtime files only).
+
+    The router sits in `router_datacenter`; every token travels from its
+    instance to the router (one-way link latency) and through two HTTP
+    streams (`token_s`); before routing, the router spends `request_s` and,
+    in PDD, asks P and MD for their cached prefixes (one round trip to the
+    farthest). Steps of instances pinned to one core time-slice that core.
+    """
+
+    router_datacenter: str = "a"
+    request_s: float = 0.0
+    token_s: float = 0.0
+    match_round_trip: bool = False
+
+
+@dataclass(frozen=True)
 class ModeSpec:
     name: str
     pools: tuple[PoolSpec, ...]
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     rdma: LinkSpec = LinkSpec(gbps=3200.0, rtt_ms=0.02)
     wan: LinkSpec | None = None
+    serving: ServingOverheads | None = None
 
     def cost_per_hour(self) -> float:
-        chips = sum(p.count * p.chips * get_profile(p.hardware).price_per_hour for p in self.pools)
+        chips = sum(p.count * p.instance_price() for p in self.pools)
         return chips + (self.wan.price_per_hour if self.wan else 0.0)
 
     def num_chips(self) -> dict[str, int]:
@@ -94,7 +131,7 @@ class SimSettings:
 @dataclass(frozen=True)
 class Scenario:
     model: ModelShape
-    workload: AgenticWorkload | TraceWorkload
+    workload: AgenticWorkload | FixedHitWorkload | TraceWorkload
     sla: Sla
     modes: tuple[ModeSpec, ...]
     settings: SimSettings = SimSettings()
@@ -131,12 +168,14 @@ def parse(doc: dict, base_dir: Path = Path(".")) -> Scenario:
     kind = wl.pop("kind", "agentic")
     if kind == "agentic":
         workload = _build(AgenticWorkload, wl, "workload")
+    elif kind == "fixed_hit":
+        workload = _build(FixedHitWorkload, wl, "workload")
     elif kind == "trace":
         p = Path(wl.pop("path"))
         wl["path"] = str(p if p.is_absolute() else (base_dir / p).resolve())
         workload = _build(TraceWorkload, wl, "workload")
     else:
-        raise ValueError(f"workload kind {kind!r}: expected 'agentic' or 'trace'")
+        raise ValueError(f"workload kind {kind!r}: expected 'agentic', 'fixed_hit' or 'trace'")
     sla = _build(Sla, doc.get("sla", {"ttft_s": 10.0, "tpot_s": 0.1}), "sla")
     settings = _build(SimSettings, doc.get("sim", {}), "sim")
     modes = tuple(_mode(m) for m in doc.get("mode", []))

@@ -169,6 +169,74 @@ class TraceStream:
         return self.w.duration_s
 
 
+@dataclass(frozen=True)
+class FixedHitWorkload:
+    """Closed-loop users whose later turns hit a fixed share of their prompt.
+
+    For sweeps over the prefix-hit rate (the bathtub, WAN need vs hit rate).
+    `num_users` users each run sessions of `turns` turns back to back (think
+    time between turns). Every prompt has `prompt_tokens` tokens: the
+    session's context (`hit_rate` of the prompt, the same blocks every turn)
+    then fresh blocks. A session's first turn finds its context cold, so the
+    average hit rate is about hit_rate x (turns - 1) / turns, less whatever
+    the caches evict. Fixed lengths keep every request's uncached tail the
+    same size, so tail-chunk effects show undiluted.
+    """
+
+    duration_s: float = 600.0
+    num_users: int = 64
+    prompt_tokens: int = 32768
+    output_tokens: int = 256
+    hit_rate: float = 0.5
+    turns: int = 8
+    think_time_s: float = 1.0
+    block_size: int = 512
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.hit_rate < 1.0 or self.turns < 1 or self.num_users < 1:
+            raise ValueError("hit_rate in [0, 1), turns >= 1, num_users >= 1 required")
+        if self.prompt_tokens < self.block_size or self.output_tokens < 1:
+            raise ValueError("prompt_tokens >= block_size and output_tokens >= 1 required")
+
+
+class FixedHitStream:
+    def __init__(self, w: FixedHitWorkload) -> None:
+        self.w = w
+        self.block_size = w.block_size
+        self._next_session = 0
+        self._rng = random.Random(w.seed)
+
+    def initial(self) -> list[RequestSpec]:
+        # Users start spread over one think time, so they do not arrive in lockstep.
+        return [self._turn(self._new_session(), 0, self._rng.uniform(0, max(self.w.think_time_s, 1.0)))
+                for _ in range(self.w.num_users)]
+
+    def _new_session(self) -> int:
+        self._next_session += 1
+        return self._next_session
+
+    def next_after(self, spec: RequestSpec, done_s: float, failed: bool) -> RequestSpec | None:
+        arrival = done_s + self._rng.expovariate(1.0 / self.w.think_time_s) if self.w.think_time_s else done_s
+        if arrival >= self.w.duration_s:
+            return None
+        if spec.turn + 1 >= self.w.turns:
+            return self._turn(self._new_session(), 0, arrival)
+        return self._turn(spec.session, spec.turn + 1, arrival)
+
+    def _turn(self, session: int, turn: int, arrival: float) -> RequestSpec:
+        w, bs = self.w, self.w.block_size
+        n_blocks = w.prompt_tokens // bs
+        n_ctx = round(w.hit_rate * w.prompt_tokens) // bs
+        base = (session << 24) | (turn << 16)
+        ids = tuple((session << 24) | i for i in range(n_ctx)) + tuple(
+            base | (1 << 15) | i for i in range(n_blocks - n_ctx))
+        out = tuple(base | (1 << 14) | i for i in range((w.prompt_tokens + w.output_tokens) // bs - n_blocks))
+        return RequestSpec(f"u{session}-t{turn}", arrival, w.prompt_tokens, w.output_tokens,
+                           w.output_tokens, ids, session=session, turn=turn,
+                           full_block_ids=ids + out)
+
+
 def _around(rng: random.Random, mean: int) -> int:
     """A draw within +-50% of mean, uniform."""
     return max(1, round(rng.uniform(0.5, 1.5) * mean))

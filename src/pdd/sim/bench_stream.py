@@ -1,0 +1,65 @@
+"""`pdd bench` workloads (real token ids) as a simulator request stream.
+
+The simulator sees the very requests `pdd bench` sends: the same
+`pdd.bench.agentic.generate` / `pdd.bench.trace.load` output, or a saved
+`workload.json`. Token ids become chained block ids (equal prefixes -> equal
+ids, as the engine's chained block hashes), so prefix caches hit exactly
+where the real ones do. Output blocks get ids of their own: the bench client
+puts a *synthetic* previous answer into the next prompt, so what a decoder
+caches of its own output never matches a later prompt, but it takes room.
+
+Arrivals follow the bench client (`pdd.bench.client.run_workload`): a
+request without `depends_on` is due at `arrival_s`; a closed-loop turn is
+due `think_time_s` after the user saw its predecessor end (failed or not).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+from pdd.bench.workload import Workload, WorkloadRequest
+from pdd.sim.request import RequestSpec
+
+
+def chained_block_ids(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """One id per full block, each a hash of the block and the id before it."""
+    out, prev = [], 0
+    for b in range(len(token_ids) // block_size):
+        prev = hash((prev, tuple(token_ids[b * block_size:(b + 1) * block_size])))
+        out.append(prev)
+    return tuple(out)
+
+
+def to_spec(req: WorkloadRequest, block_size: int, arrival_s: float | None = None,
+            session: int = -1) -> RequestSpec:
+    ids = chained_block_ids(req.prompt_token_ids, block_size)
+    n, out = req.prompt_tokens, req.max_tokens
+    # Blocks completed by the output: private ids chained after the prompt's.
+    tail = ids[-1] if ids else zlib.crc32(req.request_id.encode())
+    extra = tuple(hash((tail, -1, k)) for k in range((n + out) // block_size - len(ids)))
+    return RequestSpec(req.request_id, req.arrival_s if arrival_s is None else arrival_s, n, out,
+                       out, ids, session=session, turn=req.turn, full_block_ids=ids + extra)
+
+
+class BenchStream:
+    """Open-loop and closed-loop (depends_on) requests of a bench Workload.
+
+    Every request generates `max_tokens` tokens (the bench sets ignore_eos).
+    """
+
+    def __init__(self, workload: Workload, block_size: int) -> None:
+        self.block_size = block_size
+        self._reqs = {r.request_id: r for r in workload.requests}
+        self._children: dict[str, list[WorkloadRequest]] = {}
+        for r in workload.requests:
+            if r.depends_on in self._reqs:
+                self._children.setdefault(r.depends_on, []).append(r)
+        self._roots = [r for r in workload.requests if r.depends_on not in self._reqs]
+
+    def initial(self) -> list[RequestSpec]:
+        return [to_spec(r, self.block_size) for r in self._roots]
+
+    def next_after(self, spec: RequestSpec, done_s: float, failed: bool) -> list[RequestSpec]:
+        return [to_spec(c, self.block_size, done_s + c.think_time_s)
+                for c in self._children.get(spec.request_id, [])]

@@ -1,0 +1,113 @@
+"""A runtime deployment file (`pdd.deploy.spec`) as a simulator mode.
+
+What the file says is taken as is: every instance with its role, datacenter,
+engine settings (block size, KV blocks, batch slots, token budget, threads),
+core pinning and price; the links' bandwidth, latency, jitter and price; the
+[policy] table. What the file leaves to the machine is filled in:
+
+* hardware: this CPU (`cpu` profile, one chip per engine thread), its
+  roofline coefficients fitted to measured engine steps when a calibration
+  is given (`pdd.sim.calibration`), else the profile's prior;
+* model: the embedded SmolLM2-135M (or the local HF folder the file names,
+  read from its config.json), KV in the engine's dtype;
+* links inside a datacenter: loopback TCP (~500 MB/s, ~0.1 ms each way);
+  the WAN: the emulated line, with jitter folded into its latency (a long
+  transfer's packets are delivered in order, so it waits on the later ones);
+* serving overheads around the engines (`ServingOverheads`): the router's
+  own latency, each streamed token's trip to the user, prefix-match round
+  trips in PDD, and instances pinned to one core sharing it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdd.deploy.spec import DeploymentSpec, Role as DeployRole
+from pdd.policy import PolicyConfig, Role
+from pdd.sim.model_shape import ModelShape, get_model
+from pdd.sim.scenario import LinkSpec, ModeSpec, PoolSpec, ServingOverheads
+
+DEFAULT_MODELS = {"default", "smollm2", ""}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """The machine-dependent constants of a runtime deployment (CLI-tunable)."""
+
+    loopback_gbps: float = 4.0          # ~500 MB/s through the kernel's loopback
+    loopback_one_way_ms: float = 0.1
+    request_s: float = 0.010            # router: parse, tokenize, open the streams
+    token_s: float = 0.003              # instance NDJSON -> router SSE -> client, per token
+
+
+def model_shape(spec: DeploymentSpec) -> ModelShape:
+    """The model the deployment serves, in the engine's KV dtype."""
+    dtype = DTYPE_BYTES[spec.instances[0].engine.dtype]
+    if spec.model.strip().lower() in DEFAULT_MODELS:
+        base = get_model("smollm2-135m")
+        kv = base.kv_bytes_per_token * dtype // 4
+        return get_model("smollm2-135m", weight_bytes_per_param=float(dtype), kv_bytes_per_token=kv)
+    return shape_from_config(Path(spec.model) / "config.json", dtype)
+
+
+def shape_from_config(path: Path, dtype_bytes: int = 4) -> ModelShape:
+    """ModelShape of a dense Llama-style HF config.json."""
+    c = json.loads(Path(path).read_text())
+    h, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+    heads = int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads", heads))
+    hd = int(c.get("head_dim") or h // heads)
+    inter, vocab = int(c["intermediate_size"]), int(c["vocab_size"])
+    per_layer = h * heads * hd * 2 + h * kv_heads * hd * 2 + 3 * h * inter + 2 * h
+    embed = vocab * h * (1 if c.get("tie_word_embeddings", True) else 2)
+    params = float(layers * per_layer + embed + h)
+    return ModelShape(Path(path).parent.name or "hf-model", layers, heads, hd, h, params, params,
+                      float(dtype_bytes), 2 * layers * kv_heads * hd * dtype_bytes)
+
+
+def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
+                   calibration=None, opts: RuntimeOptions = RuntimeOptions(),
+                   run: str | None = None) -> ModeSpec:
+    """One ModeSpec: a pool of one per instance.
+
+    `calibration` (a `pdd.sim.calibration.CpuCalibration` or None) gives the
+    roofline coefficients per engine thread count and, for a replayed bench
+    mode (`run`), how much that run's machine was slowed by other processes.
+    """
+    pools = []
+    for inst in spec.instances:
+        e = inst.engine
+        coef = {}
+        if calibration is not None:
+            coef = dict(calibration.coefficients(e.num_threads),
+                        time_scale=calibration.time_scale(run))
+        pools.append(PoolSpec(
+            role=Role(inst.role.value), hardware="cpu", chips=e.num_threads, count=1,
+            datacenter=inst.datacenter, max_batch=e.max_num_seqs,
+            token_budget=e.max_num_batched_tokens, prefix_cache=e.enable_prefix_cache,
+            name=inst.name, kv_blocks=e.num_blocks, price_per_hour=inst.cost_per_hour,
+            core=inst.cpu, **coef))
+    block_sizes = {i.engine.block_size for i in spec.instances}
+    if len(block_sizes) != 1:
+        raise ValueError(f"{spec.name}: instances disagree on engine.block_size {sorted(block_sizes)}")
+    rdma = LinkSpec(gbps=opts.loopback_gbps, rtt_ms=2 * opts.loopback_one_way_ms)
+    wan = None
+    if spec.links:
+        if len(spec.links) > 1:
+            raise ValueError(f"{spec.name}: the simulator models one WAN line, the file has "
+                             f"{len(spec.links)}")
+        link = spec.links[0]
+        wan = LinkSpec(gbps=link.bandwidth_mbps / 1e3, rtt_ms=2 * link.latency_ms + link.jitter_ms,
+                       price_per_hour=link.cost_per_hour)
+    roles = {i.role for i in spec.instances}
+    match = DeployRole.MAIN in roles or (DeployRole.COLOCATED in roles and len(spec.instances) > 1)
+    serving = ServingOverheads(spec.router_datacenter, opts.request_s, opts.token_s, match)
+    return ModeSpec(name or spec.name, tuple(pools), PolicyConfig.from_dict(spec.policy), rdma,
+                    wan, serving)
+
+
+def block_size(spec: DeploymentSpec) -> int:
+    return spec.instances[0].engine.block_size
