@@ -108,7 +108,7 @@ def test_agentic_sessions_grow_and_chain():
 def test_quick_workload_is_small():
     w = agentic.generate(agentic.QUICK)
     assert len(w.requests) == 12
-    assert max(r.prompt_tokens + r.max_tokens for r in w.requests) <= agentic.QUICK.max_context_tokens <= 2560
+    assert max(r.prompt_tokens + r.max_tokens for r in w.requests) <= agentic.QUICK.max_context_tokens <= 3072
     assert sum(r.kind is RequestKind.ABNORMAL for r in w.requests) == 1
     d = w.describe()
     assert d["num_requests"] == 12 and d["closed_loop"]

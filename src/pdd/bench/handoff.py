@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=100, help="eager tokens handed over")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--wan-mbps", type=float, default=80.0)
+    p.add_argument("--wan-mbps", type=float, default=200.0)
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--jitter-ms", type=float, default=5.0)
     p.add_argument("--out", default="results/handoff.json")

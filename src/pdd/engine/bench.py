@@ -22,6 +22,9 @@ so that a noisy neighbour on a shared machine hurts both sides alike.
 * prefix hit: a prompt whose first ~90% (whole blocks) is already in our
   prefix cache (a request with just that prefix ran first) vs the same prompt
   on a fresh engine.
+* every number is wall-clock (the headline); process CPU time is recorded
+  beside it (cpu_*) as a cross-check on a shared machine: with one thread it
+  leaves out the time the process waited for a core.
 
 Writes a JSON file (medians, raw samples, settings, versions, method) whose
 top-level keys include `decode_speedup_b16` and `prefix_hit_speedup`, and
@@ -90,9 +93,11 @@ class _Stamps:
 
     def __init__(self):
         self.t: list[float] = []
+        self.cpu: list[float] = []
 
     def put(self, value):
         self.t.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
     def end(self):
         pass
@@ -120,18 +125,18 @@ class Ours:
         self._n += 1
         return EngineRequest(f"b{self._n}", list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
-    def prefill(self, prompt: list[int], engine=None) -> tuple[float, int]:
-        """Seconds of the one step that prefills `prompt` (and samples its first token); cached tokens."""
+    def prefill(self, prompt: list[int], engine=None) -> tuple[float, float, int]:
+        """(wall s, CPU s) of the one step that prefills `prompt` (and samples its first token); cached tokens."""
         eng = engine or self.engine()
         req = self._req(prompt, 1)
         eng.submit(req)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         eng.step()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         rec = eng.step_log[-1]
         if rec.num_prefill_tokens + req.num_cached_tokens != len(prompt) or not req.status.finished:
             raise RuntimeError(f"prefill of {len(prompt)} tokens did not run in one pass: {rec}")
-        return dt, req.num_cached_tokens
+        return dt, cpu, req.num_cached_tokens
 
     def warm_prefix(self, engine, prefix: list[int]) -> None:
         eng = engine
@@ -139,8 +144,8 @@ class Ours:
         while eng.has_work:
             eng.step()
 
-    def decode(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, float]:
-        """(seconds of the decode steps, tokens they made, mean batch size)."""
+    def decode(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, int, float]:
+        """(wall s, CPU s of the decode steps, tokens they made, mean batch size)."""
         eng = self.engine()
         reqs = [self._req(p, new_tokens + 1) for p in prompts]
         for r in reqs:
@@ -149,15 +154,15 @@ class Ours:
         if any(r.num_output_tokens != 1 for r in reqs):
             raise RuntimeError("the prefill of the decode batch did not fit one step")
         n0 = len(eng.step_log)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         while eng.has_work:
             eng.step()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         made = sum(r.num_output_tokens for r in reqs) - len(reqs)
         steps = list(eng.step_log)[n0:]
         if any(s.num_prefill_tokens for s in steps):
             raise RuntimeError("a decode step contained prefill tokens")
-        return dt, made, sum(s.batch_size for s in steps) / max(1, len(steps))
+        return dt, cpu, made, sum(s.batch_size for s in steps) / max(1, len(steps))
 
 
 # ---------------------------------------------------------------------- HF
@@ -173,19 +178,19 @@ class HF:
         eos = self.model.config.eos_token_id
         self.pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
 
-    def prefill(self, prompt: list[int]) -> float:
+    def prefill(self, prompt: list[int]) -> tuple[float, float]:
         torch = self.torch
         ids = torch.tensor([prompt])
         with torch.inference_mode():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
                              logits_to_keep=1)
             out.logits[:, -1].argmax(-1)
-            dt = time.perf_counter() - t0
-        return dt
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return dt, cpu
 
-    def decode(self, prompts: list[list[int]], new_tokens: int, cache: str) -> tuple[float, int]:
-        """(seconds from the first new token to the last, tokens made in that window)."""
+    def decode(self, prompts: list[list[int]], new_tokens: int, cache: str) -> tuple[float, float, int]:
+        """(wall s, CPU s from the first new token to the last, tokens made in that window)."""
         torch = self.torch
         ids = torch.tensor(prompts)
         stamps = _Stamps()
@@ -200,17 +205,24 @@ class HF:
         # stamps: [prompt, token 1 (after prefill), token 2, ..., token new_tokens+1]
         if made != new_tokens + 1 or len(stamps.t) != made + 1:
             raise RuntimeError(f"HF generate made {made} tokens, {len(stamps.t)} stamps")
-        return stamps.t[-1] - stamps.t[1], len(prompts) * (made - 1)
+        return stamps.t[-1] - stamps.t[1], stamps.cpu[-1] - stamps.cpu[1], len(prompts) * (made - 1)
 
 
 # ---------------------------------------------------------------------- the run
-def _summ(samples: list[float], tokens: int | None = None) -> dict:
+def _summ(samples: list[float], tokens: int | None = None, cpu: list[float] | None = None) -> dict:
+    """Wall-clock median and samples (the headline numbers), plus process CPU time
+    (a cross-check on a shared machine: with one thread it leaves out time spent descheduled)."""
     med = _median(samples)
     d = {"median_s": med, "samples_s": samples}
     if tokens is not None:
         d["tokens"] = tokens
         d["tok_s"] = tokens / med if med > 0 else math.inf
         d["samples_tok_s"] = [tokens / s if s > 0 else math.inf for s in samples]
+    if cpu:
+        d["cpu_median_s"] = _median(cpu)
+        d["cpu_samples_s"] = cpu
+        if tokens is not None:
+            d["cpu_tok_s"] = tokens / d["cpu_median_s"] if d["cpu_median_s"] > 0 else math.inf
     return d
 
 
@@ -281,15 +293,19 @@ def run(args) -> int:
     prefill: dict = {}
     for L in sizes["prefill_lens"]:
         _log(f"prefill {L} tokens ...")
-        o, h = [], []
+        o, oc, h, hc = [], [], [], []
         for _ in range(R):
             p = _prompts(rng, 1, L, vocab)[0]
-            o.append(ours.prefill(p)[0])
+            dt, cpu, _ = ours.prefill(p)
+            o.append(dt)
+            oc.append(cpu)
             if hf:
-                h.append(hf.prefill(p))
-        e = {"ours": _summ(o, L)}
+                dt, cpu = hf.prefill(p)
+                h.append(dt)
+                hc.append(cpu)
+        e = {"ours": _summ(o, L, oc)}
         if hf:
-            e["hf"] = _summ(h, L)
+            e["hf"] = _summ(h, L, hc)
             e["speedup"] = e["hf"]["median_s"] / e["ours"]["median_s"]
         prefill[str(L)] = e
     result["prefill"] = prefill
@@ -298,49 +314,58 @@ def run(args) -> int:
     decode: dict = {}
     for N in batches:
         _log(f"decode batch {N} ...")
-        o, h = [], {"dynamic": [], "static": []}
+        o, oc = [], []
+        h: dict[str, list[float]] = {"dynamic": [], "static": []}
+        hc: dict[str, list[float]] = {"dynamic": [], "static": []}
         o_tokens = h_tokens = 0
         mean_batch = []
         for _ in range(R):
             ps = _prompts(rng, N, dprompt, vocab)
-            dt, o_tokens, mb = ours.decode(ps, dtok)
+            dt, cpu, o_tokens, mb = ours.decode(ps, dtok)
             o.append(dt)
+            oc.append(cpu)
             mean_batch.append(mb)
             if hf:
                 for cache in h:
-                    dt, h_tokens = hf.decode(ps, dtok, cache)
+                    dt, cpu, h_tokens = hf.decode(ps, dtok, cache)
                     h[cache].append(dt)
-        e = {"ours": {**_summ(o, o_tokens), "mean_batch": _median(mean_batch)}}
+                    hc[cache].append(cpu)
+        e = {"ours": {**_summ(o, o_tokens, oc), "mean_batch": _median(mean_batch)}}
         if hf:
-            e["hf_dynamic"] = _summ(h["dynamic"], h_tokens)
-            e["hf_static"] = _summ(h["static"], h_tokens)
+            e["hf_dynamic"] = _summ(h["dynamic"], h_tokens, hc["dynamic"])
+            e["hf_static"] = _summ(h["static"], h_tokens, hc["static"])
             best = max(("hf_dynamic", "hf_static"), key=lambda k: e[k]["tok_s"])
             e["hf_best"] = best
             e["speedup"] = e["ours"]["tok_s"] / e[best]["tok_s"]
+            cbest = max(e[k]["cpu_tok_s"] for k in ("hf_dynamic", "hf_static"))
+            e["cpu_speedup"] = e["ours"]["cpu_tok_s"] / cbest
         decode[str(N)] = e
     result["decode"] = decode
 
     # ---- prefix hit vs cold
     _log(f"prefix hit vs cold ({plen} tokens) ...")
     hit_tokens = (int(plen * sizes["prefix_frac"]) // bs) * bs
-    cold, hot, cached = [], [], []
+    cold, hot, cold_cpu, hot_cpu, cached = [], [], [], [], []
     for _ in range(R):
         p = _prompts(rng, 1, plen, vocab)[0]
-        dt, c = ours.prefill(p)             # fresh engine: cold
+        dt, cpu, c = ours.prefill(p)        # fresh engine: cold
         if c:
             raise RuntimeError("cold prefill found cached tokens")
         cold.append(dt)
+        cold_cpu.append(cpu)
         eng = ours.engine()
         ours.warm_prefix(eng, p[:hit_tokens])
-        dt, c = ours.prefill(p, eng)
+        dt, cpu, c = ours.prefill(p, eng)
         hot.append(dt)
+        hot_cpu.append(cpu)
         cached.append(c)
     if any(c != hit_tokens for c in cached):
         raise RuntimeError(f"expected {hit_tokens} cached tokens, got {cached}")
     result["prefix_hit"] = {
         "prompt_tokens": plen, "cached_tokens": hit_tokens, "hit_fraction": hit_tokens / plen,
-        "cold": _summ(cold), "hit": _summ(hot),
+        "cold": _summ(cold, cpu=cold_cpu), "hit": _summ(hot, cpu=hot_cpu),
         "speedup": _median(cold) / _median(hot),
+        "cpu_speedup": _median(cold_cpu) / _median(hot_cpu),
     }
 
     # ---- headline
@@ -383,18 +408,20 @@ def format_table(r: dict) -> str:
         lines.append(f"{L + ' tokens':<22}{e['ours']['tok_s']:>12.1f}"
                      + (f"{e['hf']['tok_s']:>12.1f}{e['speedup']:>9.2f}x" if hf else ""))
     lines.append("")
-    lines.append(f"{'decode':<22}{'ours tok/s':>12}{'HF dyn':>12}{'HF static':>12}{'speedup':>10}")
+    lines.append(f"{'decode':<22}{'ours tok/s':>12}{'HF dyn':>12}{'HF static':>12}{'speedup':>10}"
+                 f"{'(CPU time)':>12}")
     for N, e in r["decode"].items():
         row = f"{'batch ' + N:<22}{e['ours']['tok_s']:>12.1f}"
         if "hf_best" in e:
             row += (f"{e['hf_dynamic']['tok_s']:>12.1f}{e['hf_static']['tok_s']:>12.1f}"
-                    f"{e['speedup']:>9.2f}x")
+                    f"{e['speedup']:>9.2f}x{e['cpu_speedup']:>11.2f}x")
         lines.append(row)
     p = r["prefix_hit"]
     lines.append("")
     lines.append(f"prefix hit: {p['prompt_tokens']}-token prompt, {p['cached_tokens']} cached "
                  f"({100 * p['hit_fraction']:.0f}%): cold {p['cold']['median_s'] * 1e3:.1f} ms, "
-                 f"hit {p['hit']['median_s'] * 1e3:.1f} ms -> {p['speedup']:.2f}x")
+                 f"hit {p['hit']['median_s'] * 1e3:.1f} ms -> {p['speedup']:.2f}x "
+                 f"(CPU time {p['cpu_speedup']:.2f}x)")
     d = r["decode_speedup_b16"]
     lines.append(f"decode_speedup_b16 = {'n/a' if d is None else f'{d:.2f}x'} (target >= "
                  f"{TARGET_DECODE_SPEEDUP_B16:g}x); prefix_hit_speedup = {r['prefix_hit_speedup']:.2f}x "
