@@ -231,9 +231,12 @@ def load_workload(path: Path) -> Workload:
 def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
     """deploy.toml (+ overrides.json) and steps.jsonl of a real deployment.
 
-    Fake deployments (no `.spec` / `.secret`) are skipped; a failure here is
-    reported and never costs the mode its measured records.
+    Also the Prometheus text of every instance and the router under
+    `metrics/`. Fake deployments (no `.spec` / `.secret`) are skipped; a
+    failure here is reported and never costs the mode its measured records.
     """
+    import urllib.request
+
     try:
         src = Path(spec.config_path)
         if src.is_file():
@@ -248,6 +251,16 @@ def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
             for inst in dspec.instances:
                 for rec in fetch_steps(f"http://{inst.host}:{inst.port}", secret):
                     f.write(json.dumps(rec) + "\n")
+        # Prometheus counters (KV bytes and transfer seconds per link, ...), for diagnosis.
+        (mode_dir / "metrics").mkdir(exist_ok=True)
+        urls = {i.name: f"http://{i.host}:{i.port}/metrics" for i in dspec.instances}
+        urls["router"] = f"http://{dspec.router_host}:{dspec.router_port}/metrics"
+        for name, url in urls.items():
+            try:
+                with urllib.request.urlopen(url, timeout=10.0) as r:
+                    (mode_dir / "metrics" / f"{name}.prom").write_bytes(r.read())
+            except OSError:
+                pass
     except Exception:  # noqa: BLE001 - calibration data is a bonus
         traceback.print_exc()
 

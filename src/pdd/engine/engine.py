@@ -262,7 +262,11 @@ class Engine:
     def recent_decode_step_s(self, window: int = 32) -> float | None:
         """Mean wall time of the last decode-only steps (the policy's RLD TPOT)."""
         xs = []
-        for r in reversed(self.step_log):
+        try:   # may be read from another thread while the engine appends
+            recent = [self.step_log[-k] for k in range(1, min(len(self.step_log), 4 * window) + 1)]
+        except IndexError:
+            return None
+        for r in recent:
             if r.num_prefill_tokens == 0:
                 xs.append(r.wall_s)
                 if len(xs) == window:

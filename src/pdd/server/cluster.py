@@ -57,6 +57,8 @@ class Cluster:
         async def one(m: Member) -> None:
             try:
                 s = await self.client.get(m.http.url, "/internal/stats", timeout_s=2.0)
+            except asyncio.TimeoutError:   # busy, not dead: keep its last view
+                return
             except Exception as e:  # an unreachable instance stays in the view, marked unhealthy
                 m.healthy = False
                 log.debug("stats from %s failed: %r", m.spec.name, e)

@@ -115,7 +115,10 @@ class InstanceServer:
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def stats(self, request: web.Request) -> web.Response:
-        stats = await self.loop.call(lambda e: e.stats())
+        # Read without waiting for the engine thread: a long prefill step must not
+        # make a busy instance look dead to the router. Plain int reads; a value
+        # one step old is fine for load balancing.
+        stats = self.engine.stats()
         stats |= {"name": self.inst.name, "role": self.inst.role.value, "datacenter": self.inst.datacenter,
                   "max_num_seqs": self.engine.cfg.max_num_seqs}
         return web.json_response(stats)

@@ -56,9 +56,11 @@ class PrefillJob:
                             "error": (ev.error if ev else None) or "prefill failed", "ts": time.time()})
             return
         self.first_token = ev.token_id
-        loop = self.server.loop
-        self.manifest, cached = await loop.call(
-            lambda e: (e.kv_manifest(self.request_id), e.requests[self.request_id].num_cached_tokens))
+        # The request has finished and holds its blocks (keep_kv): nothing mutates it any
+        # more, so read it here rather than wait for the engine thread's next step.
+        engine = self.server.engine
+        self.manifest = engine.kv_manifest(self.request_id)
+        cached = engine.requests[self.request_id].num_cached_tokens
         user_reason = "stop" if ev.finish_reason == "stop" else None
         await out.send({"event": "prefilled", "token": ev.token_id, "cached_tokens": cached,
                         "num_blocks": len(self.manifest.block_hashes), "stop": user_reason,

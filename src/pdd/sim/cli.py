@@ -38,11 +38,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay the bench run RUN (results/<name>) and write validation.json")
     p.add_argument("--model", default="smollm2-135m", help="model preset for --calibrate")
     p.add_argument("--hardware", default="cpu", help="hardware profile for --calibrate")
-    p.add_argument("--quick", action="store_true",
-                   help="runtime: the quick bench workload; report: shorter sweeps")
     p.add_argument("--no-plots", action="store_true")
+    add_workload_arguments(p)
 
+    r = p.add_argument_group("runtime overheads (runtime files, --validate)")
+    r.add_argument("--token-overhead-ms", type=float, default=None,
+                   help="per streamed token, instance -> router -> client")
+    r.add_argument("--request-overhead-ms", type=float, default=None,
+                   help="router work before a request reaches P")
+    r.add_argument("--loopback-mbps", type=float, default=None, help="local KV link")
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """`pdd bench`'s workload flags, same names and defaults (for pdd.bench.cli.build_workload)."""
     w = p.add_argument_group("workload (runtime files; as `pdd bench`)")
+    w.add_argument("--quick", action="store_true",
+                   help="the quick bench workload (pdd sim report: shorter sweeps)")
     w.add_argument("--workload", default="agentic", help="agentic | trace:PATH")
     w.add_argument("--num-requests", type=int, default=None)
     w.add_argument("--seed", type=int, default=0)
@@ -57,13 +68,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--max-input-tokens", type=int, default=None)
     w.add_argument("--max-output-tokens", type=int, default=None)
     w.add_argument("--start-index", type=int, default=0)
-
-    r = p.add_argument_group("runtime overheads (runtime files, --validate)")
-    r.add_argument("--token-overhead-ms", type=float, default=None,
-                   help="per streamed token, instance -> router -> client")
-    r.add_argument("--request-overhead-ms", type=float, default=None,
-                   help="router work before a request reaches P")
-    r.add_argument("--loopback-mbps", type=float, default=None, help="local KV link")
 
 
 def _options(args):

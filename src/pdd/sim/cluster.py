@@ -16,8 +16,9 @@ A request's path, as modelled:
   message reaches RLD, which opens a `HandoffSession`; its batches travel as
   token ids (latency only) and MD extends them as prefill-like chunks; after
   the final one MD decodes the rest.
-* The filter acts at routing time (RELAY_ONLY, no WAN bytes) and once more
-  when RLD starts decoding (`should_cancel_wan` on the live transfer).
+* The filter acts at routing time (RELAY_ONLY, no WAN bytes) and again at
+  every RLD step until MD holds the KV (`should_cancel_wan`, fed what the
+  router knows: the routing-time estimate minus the time since prefill).
 
 A mode read from a runtime deployment file (`mode.serving` set) adds what the
 real servers add around their engines: the router's own latency before a
@@ -91,6 +92,7 @@ class Cluster:
         self.md_link = self._link_name(p_dc, md_dc) if p_dc and md_dc else None
         # flow id -> (request, "rld" | "md", destination id, start time, bytes, link name)
         self.flows: dict[str, tuple[SimRequest, str, str, float, int, str]] = {}
+        self.flow_steps: dict[str, int] = {}      # flow id -> receiver's step count at its start
         self.pending: dict[str, list] = {iid: [] for iid in self.instances}
         self.requests: list[SimRequest] = []
         self.loop = EventLoop()
@@ -101,6 +103,8 @@ class Cluster:
         self.loop.on(EventKind.MESSAGE, lambda ev: ev.data(ev.time))
         self.router_delay_s = 0.0
         sv = mode.serving
+        self.manifest_wait = sv is not None and sv.manifest_after_step
+        self.import_wait = sv is not None and sv.import_per_step
         if sv is not None:
             for inst in self.instances.values():
                 inst.deliver_s = sv.token_s + self._one_way_dc(sv.router_datacenter, inst.datacenter)
@@ -147,6 +151,8 @@ class Cluster:
         t = inst.start_step(now)
         evs += self._on_admitted(inst, now)
         if t is None:
+            for fn in inst.pop_waiters():      # an idle engine runs commands at once
+                evs += fn(now)
             return evs
         core = self.core_of.get(inst.instance_id)
         if core is None:
@@ -232,13 +238,19 @@ class Cluster:
         return self._step_done(inst, ev.time)
 
     def _step_done(self, inst: SimInstance, now: float) -> list[Event]:
+        due = inst.tick_waiters(inst.current_num_steps)
         out = inst.end_step(now)
         evs: list[Event] = []
+        for fn in due:
+            evs += fn(now)
         for job in out.jobs_done:
             evs += (self._on_prefill_done(inst, job, now) if job.kind is JobKind.PREFILL
                     else self._on_extend_done(inst, job, now))
         for seq in out.seqs_ended:
             evs += self._on_seq_ended(inst, seq, now)
+        if inst.role is Role.RELAY:
+            for seq in list(inst.decoding):
+                evs += self._maybe_cancel(seq.req, inst, now)
         return evs + self._kick(inst, now)
 
     def _on_admitted(self, inst: SimInstance, now: float) -> list[Event]:
@@ -261,14 +273,21 @@ class Cluster:
             p.add_seq(Seq(req, s.prompt_tokens + 1, job.num_blocks, relay=False))
             return []
         d = req.decision
+        req.prefill_done_s = now
         req.p_blocks = job.num_blocks
         full = self._facts(req).missing_kv_bytes(0)
-        evs: list[Event] = []
-        if d.rld_id is not None:
-            evs += self._transfer(req, "rld", p, self.instances[d.rld_id], full, now)
-        if d.start_wan:
-            evs += self._transfer(req, "md", p, self.instances[d.md_id], d.missing_bytes, now)
-        return evs
+
+        def send(t: float) -> list[Event]:
+            evs: list[Event] = []
+            if d.rld_id is not None:
+                evs += self._transfer(req, "rld", p, self.instances[d.rld_id], full, t)
+            if d.start_wan:
+                evs += self._transfer(req, "md", p, self.instances[d.md_id], d.missing_bytes, t)
+            return evs
+        if self.manifest_wait:
+            p.wait_boundaries(1, send)     # the KV manifest is read after P's next step
+            return []
+        return send(now)
 
     # --- transfers ----------------------------------------------------------
     def _transfer(self, req: SimRequest, kind: str, src: SimInstance, dst: SimInstance,
@@ -277,6 +296,7 @@ class Cluster:
         link = self.links[name]
         flow_id = f"{req.spec.request_id}/{kind}"
         self.flows[flow_id] = (req, kind, dst.instance_id, now, num_bytes, name)
+        self.flow_steps[flow_id] = dst.num_steps
         req.pending_transfers += 1
         if kind == "md":
             req.wan_flow = flow_id
@@ -293,15 +313,36 @@ class Cluster:
         done, nxt = link.complete(ev.time, ev.data)
         evs = [Event(nxt[0], EventKind.TRANSFER_DONE, ev.key, nxt[1])] if nxt else []
         for flow in done:
-            req, kind, dst_id, start, num_bytes, _ = self.flows.pop(flow.flow_id)
-            self.estimators[ev.key].observe(ev.time, num_bytes, ev.time - start)
-            if ev.key == "wan":
-                req.wan_bytes += num_bytes
-            evs += self._release_p(req, ev.time)
-            dst = self.instances[dst_id]
-            evs += (self._rld_kv_ready(req, dst, ev.time) if kind == "rld"
-                    else self._md_kv_ready(req, dst, ev.time))
+            dst = self.instances[self.flows[flow.flow_id][2]]
+            landed = self._landed(flow.flow_id, ev.key)
+            started = self.flow_steps.get(flow.flow_id, dst.num_steps)
+            if self.import_wait and dst.busy:
+                # One import command per block (plus BEGIN), one per step of a
+                # busy receiver; those that ran while bytes flowed are done.
+                blocks = -(-flow.num_bytes // (self.block_size * self.model.kv_bytes_per_token))
+                dst.wait_boundaries(max(1, int(blocks) + 1 - (dst.num_steps - started)), landed)
+                t = dst.interrupt(ev.time)
+                if t is not None:
+                    evs.append(Event(t, EventKind.STEP_END, dst.instance_id, dst.version))
+            else:
+                evs += landed(ev.time)
         return evs
+
+    def _landed(self, flow_id: str, link_name: str):
+        """The receiver holds the whole KV: the transfer's end, as the sender sees it."""
+        def fn(now: float) -> list[Event]:
+            if flow_id not in self.flows:
+                return []       # cancelled while its blocks were being imported
+            req, kind, dst_id, start, num_bytes, _ = self.flows.pop(flow_id)
+            self.flow_steps.pop(flow_id, None)
+            self.estimators[link_name].observe(now, num_bytes, now - start)
+            if link_name == "wan":
+                req.wan_bytes += num_bytes
+            evs = self._release_p(req, now)
+            dst = self.instances[dst_id]
+            return evs + (self._rld_kv_ready(req, dst, now) if kind == "rld"
+                          else self._md_kv_ready(req, dst, now))
+        return fn
 
     def _cancel(self, req: SimRequest, now: float) -> list[Event]:
         fid = req.wan_flow
@@ -332,16 +373,21 @@ class Cluster:
                           relay=True)
         rld.add_seq(req.rld_seq)
         evs = self._kick(rld, now)
-        if req.wan_flow in self.flows:
-            link = self.links[self.flows[req.wan_flow][5]]
-            tpot = rld.step_time_s or self.cfg.rld_tpot_prior_s
-            # In the handshake the whole transfer is still ahead.
-            remaining = (link.remaining_s(req.wan_flow, now) if req.wan_flow in link.flows
-                         else link.rtt_s + self.flows[req.wan_flow][4] / link.bandwidth_bytes_s)
-            if should_cancel_wan(now, s.max_tokens - req.num_generated, remaining, tpot, self.cfg):
-                req.pipeline = "relay_cancelled"
-                evs += self._cancel(req, now)
-        return evs
+        if req.md_ready_pending is not None:
+            fn, req.md_ready_pending = req.md_ready_pending, None
+            return evs + self._deliver(rld, now, fn)
+        return evs + self._maybe_cancel(req, rld, now)
+
+    def _maybe_cancel(self, req: SimRequest, rld: SimInstance, now: float) -> list[Event]:
+        """The live filter, as the router runs it while RLD streams eager tokens."""
+        if req.session is not None or req.done_s is not None or req.wan_flow not in self.flows:
+            return []
+        remaining = max(0.0, req.decision.est_wan_s - (now - req.prefill_done_s))
+        tpot = rld.step_time_s or self.cfg.rld_tpot_prior_s
+        if should_cancel_wan(now, req.spec.max_tokens - req.num_generated, remaining, tpot, self.cfg):
+            req.pipeline = "relay_cancelled"
+            return self._cancel(req, now)
+        return []
 
     def _md_kv_ready(self, req: SimRequest, md: SimInstance, now: float) -> list[Event]:
         s = req.spec
@@ -368,6 +414,11 @@ class Cluster:
             if req.done_s is not None:
                 md.remove_seq(seq)
                 return self._kick(md, t)
+            if req.rld_seq is None:
+                # MD beat RLD's own copy: as the router does, start the handoff
+                # once RLD has streamed its first token.
+                req.md_ready_pending = at_rld
+                return []
             mode = choose_handoff_mode(req.num_generated, rld.view(), self.cfg)
             req.session = HandoffSession(req.spec.request_id, mode, self.cfg)
             req.handoff_mode = mode.value

@@ -111,12 +111,15 @@ class Calibration:
     r2: float
 
 
-def calibrate(step_records: Iterable[dict], base: CostModel) -> Calibration:
+def calibrate(step_records: Iterable[dict], base: CostModel,
+              balance: bool = False) -> Calibration:
     """Least-squares fit of (mfu, mbu, overhead_s, per_seq_s) to measured steps.
 
     The roofline max() is not linear, so (mfu, mbu) are searched on a log grid
     (coarse, then refined around the best cell); for each cell the fixed costs
-    follow in closed form, clipped at zero. The fit minimises relative error.
+    follow in closed form, clipped at zero. The fit minimises relative error;
+    with `balance`, steps with prefill tokens weigh as much in total as the
+    (usually far more numerous) decode-only steps, so TTFT is fitted too.
     """
     import numpy as np
 
@@ -130,6 +133,11 @@ def calibrate(step_records: Iterable[dict], base: CostModel) -> Calibration:
     comm = np.array([base.comm_s(s) for s in shapes])
     batch = np.array([float(s.batch_size) for s in shapes])
     weight = 1.0 / np.maximum(wall, 1e-9)
+    if balance:
+        pre = np.array([s.num_prefill_tokens > 0 for s in shapes])
+        n_pre, n = int(pre.sum()), len(shapes)
+        if 0 < n_pre < n:
+            weight = weight * np.sqrt(np.where(pre, n / (2.0 * n_pre), n / (2.0 * (n - n_pre))))
 
     def search(mfus, mbus):
         roof = np.maximum(comp[None, None, :] / mfus[:, None, None],

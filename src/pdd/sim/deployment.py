@@ -13,6 +13,14 @@ core pinning and price; the links' bandwidth, latency, jitter and price; the
 * links inside a datacenter: loopback TCP (~500 MB/s, ~0.1 ms each way);
   the WAN: the emulated line, with jitter folded into its latency (a long
   transfer's packets are delivered in order, so it waits on the later ones);
+  optionally (`measured_wan_rate`, off by default) one WAN transfer is
+  capped at the KV rate P measured in the bench run (metrics/*.prom): the
+  sender, receiver and relay share the two cores with the engines, and a
+  200 Mbit/s line carried ~10-13 MB/s per transfer in our runs;
+  the server's engine calls wait for step boundaries: P reads a prompt's KV
+  manifest (and starts sending) only after its next step; optionally a busy
+  receiver imports one KV block per step of its own (`import_per_step`, off:
+  the measured runs do not support it);
 * serving overheads around the engines (`ServingOverheads`): the router's
   own latency, each streamed token's trip to the user, prefix-match round
   trips in PDD, and instances pinned to one core sharing it.
@@ -41,6 +49,9 @@ class RuntimeOptions:
     loopback_one_way_ms: float = 0.1
     request_s: float = 0.010            # router: parse, tokenize, open the streams
     token_s: float = 0.003              # instance NDJSON -> router SSE -> client, per token
+    manifest_after_step: bool = True    # P reads the KV manifest after its next step (as the server does)
+    import_per_step: bool = False       # a busy receiver imports one block per step (tried: see docs)
+    measured_wan_rate: bool = False     # cap one WAN transfer at the KV rate P measured (tried: see docs)
 
 
 def model_shape(spec: DeploymentSpec) -> ModelShape:
@@ -100,11 +111,18 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
             raise ValueError(f"{spec.name}: the simulator models one WAN line, the file has "
                              f"{len(spec.links)}")
         link = spec.links[0]
-        wan = LinkSpec(gbps=link.bandwidth_mbps / 1e3, rtt_ms=2 * link.latency_ms + link.jitter_ms,
+        line = link.bandwidth_mbps / 1e3
+        measured = calibration.transfer_bytes_s("wan", run) if calibration is not None else None
+        cap = None
+        if measured is not None and opts.measured_wan_rate:
+            cap = min(measured * 8 / 1e9, line)
+        wan = LinkSpec(gbps=line, rtt_ms=2 * link.latency_ms + link.jitter_ms, max_flow_gbps=cap,
                        price_per_hour=link.cost_per_hour)
     roles = {i.role for i in spec.instances}
     match = DeployRole.MAIN in roles or (DeployRole.COLOCATED in roles and len(spec.instances) > 1)
-    serving = ServingOverheads(spec.router_datacenter, opts.request_s, opts.token_s, match)
+    serving = ServingOverheads(spec.router_datacenter, opts.request_s, opts.token_s, match,
+                               manifest_after_step=opts.manifest_after_step,
+                               import_per_step=opts.import_per_step)
     return ModeSpec(name or spec.name, tuple(pools), PolicyConfig.from_dict(spec.policy), rdma,
                     wan, serving)
 

@@ -90,6 +90,9 @@ class SimInstance:
         self.decoding: list[Seq] = []
         self.parked: list[Seq] = []          # resident, not decoding (awaiting a final extend)
         self.admitted: list[Seq] = []        # admitted since the cluster last looked
+        # [step boundaries left, callback]: work the real server does as an
+        # engine command, which runs between two steps (runtime modes only).
+        self.waiters: list[list] = []
         self.version = 0
         self.busy = False
         self.step_time_s: float | None = None
@@ -179,7 +182,7 @@ class SimInstance:
         n_dec = len(batch)
         dec_ctx = float(sum(s.context for s in batch))
         n_pre = sum(c for _, c in chunks)
-        if chunks or not batch:
+        if chunks or not batch or self.waiters:
             k = 1
         else:
             k = min(self.max_macro_steps, min(s.tokens_left() for s in batch))
@@ -266,6 +269,25 @@ class SimInstance:
                     self.stop_decoding(seq)    # reached stop_at: resident until released
         self._chunks, self._batch = [], []
         return out
+
+    def wait_boundaries(self, n: int, fn) -> None:
+        """Run `fn(now)` after `n` more step boundaries (at once if idle)."""
+        self.waiters.append([n, fn])
+
+    def tick_waiters(self, k: int) -> list:
+        """`k` boundaries passed: the callbacks now due, removed."""
+        due = []
+        for w in self.waiters:
+            w[0] -= k
+            if w[0] <= 0:
+                due.append(w[1])
+        if due:
+            self.waiters = [w for w in self.waiters if w[0] > 0]
+        return due
+
+    def pop_waiters(self) -> list:
+        due, self.waiters = [w[1] for w in self.waiters], []
+        return due
 
     def remove_seq(self, seq: Seq) -> None:
         """Drop a seq wherever it is and free its blocks (abort / handoff done)."""

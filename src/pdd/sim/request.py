@@ -51,7 +51,8 @@ class SimRequest:
                  "rld_tokens", "last_rld_token_s", "first_md_token_s", "wan_bytes",
                  "uncached_kv_bytes", "pipeline", "handoff_mode", "done_s", "failed",
                  "error", "decision", "session", "p_id", "rld_seq", "md_seq", "wan_flow",
-                 "p_blocks", "pending_transfers", "ended_on_rld", "last_delay_s")
+                 "p_blocks", "pending_transfers", "ended_on_rld", "last_delay_s",
+                 "prefill_done_s", "md_ready_pending")
 
     def __init__(self, spec: RequestSpec, stride: int = 1) -> None:
         self.spec = spec
@@ -80,6 +81,8 @@ class SimRequest:
         self.pending_transfers = 0
         self.ended_on_rld = False
         self.last_delay_s = 0.0
+        self.prefill_done_s = 0.0
+        self.md_ready_pending = None      # MD ready before RLD's first token: run on it
 
     @property
     def finished(self) -> bool:

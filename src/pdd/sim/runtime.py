@@ -11,7 +11,6 @@ figures.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,16 @@ def run_runtime_mode(m: RuntimeMode, workload: Workload, sla: Sla, calibration=N
                      opts: RuntimeOptions = RuntimeOptions()) -> tuple[dict, list, float]:
     """(summary entry, records in workload order, simulated seconds) of one deployment."""
     spec = load_spec(m.config_path, m.overrides)
-    mode = mode_from_spec(spec, m.name, calibration, opts, run=m.run)
+    entry, records, now = run_runtime_spec(spec, m.name, workload, sla, calibration, opts, m.run)
+    entry.update({"config": m.config_path, "overrides": m.overrides})
+    return entry, records, now
+
+
+def run_runtime_spec(spec, name: str, workload: Workload, sla: Sla, calibration=None,
+                     opts: RuntimeOptions = RuntimeOptions(),
+                     run: str | None = None) -> tuple[dict, list, float]:
+    """`run_runtime_mode` for a DeploymentSpec already in memory (`pdd plan`)."""
+    mode = mode_from_spec(spec, name, calibration, opts, run=run)
     scenario = Scenario(model_shape(spec), None, sla, (mode,), SimSettings(drain_s=HORIZON_S))
     cluster = Cluster(mode, scenario, BenchStream(workload, block_size(spec)))
     t0 = time.perf_counter()
@@ -52,8 +60,7 @@ def run_runtime_mode(m: RuntimeMode, workload: Workload, sla: Sla, calibration=N
     records = [by_id[r.request_id] for r in workload.requests if r.request_id in by_id]
     entry = summarize_mode(records, sla, mode.cost_per_hour(), run_duration(records))
     entry["hit_rate_histogram"] = hit_rate_histogram([r.hit_rate for r in records if not r.failed])
-    entry.update({"config": m.config_path, "overrides": m.overrides, "deployment": spec.name,
-                  "startup_s": 0.0, "sim": _stats(cluster, records, wall)})
+    entry.update({"deployment": spec.name, "startup_s": 0.0, "sim": _stats(cluster, records, wall)})
     return entry, records, cluster.loop.now
 
 
@@ -101,7 +108,3 @@ def is_runtime_file(path: Path) -> bool:
 
     doc = tomllib.loads(Path(path).read_text())
     return "instances" in doc and "mode" not in doc
-
-
-def finite(x: float | None) -> float | None:
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None

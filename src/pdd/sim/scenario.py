@@ -92,12 +92,19 @@ class ServingOverheads:
     streams (`token_s`); before routing, the router spends `request_s` and,
     in PDD, asks P and MD for their cached prefixes (one round trip to the
     farthest). Steps of instances pinned to one core time-slice that core.
+    KV calls may wait for engine step boundaries (`manifest_after_step`,
+    `import_per_step`).
     """
 
     router_datacenter: str = "a"
     request_s: float = 0.0
     token_s: float = 0.0
     match_round_trip: bool = False
+    # The server runs engine calls as commands between two engine steps:
+    # P reads a prompt's KV manifest (and starts sending) after its next step;
+    # with `import_per_step` a busy receiver also imports one block per step.
+    manifest_after_step: bool = False
+    import_per_step: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,255 @@
+"""The simulator on runtime deployment files: mapping, bench workloads,
+shared cores, calibration from saved bench artefacts, validation, planning."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from pdd.bench.metrics import Sla, summarize_mode
+from pdd.bench.records import RequestRecord
+from pdd.bench.runner import load_workload, save_run_artefacts, save_workload
+from pdd.bench.workload import Workload, WorkloadRequest
+from pdd.deploy.spec import load_spec, parse_spec
+from pdd.policy import Role
+from pdd.sim.bench_stream import BenchStream, chained_block_ids
+from pdd.sim.calibration import CpuCalibration, fit
+from pdd.sim.cost_model import CostModel, StepShape
+from pdd.sim.deployment import mode_from_spec, model_shape
+from pdd.sim.hardware import get_profile
+from pdd.sim.model_shape import get_model
+from pdd.sim.runtime import RuntimeMode, run_runtime_mode, simulate_deployments
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def chain_workload(n_turns: int = 3, think_s: float = 0.5) -> Workload:
+    """One closed-loop session (each turn extends the last) plus one open-loop request."""
+    ctx, reqs, prev = ids(0, 600), [], None
+    for t in range(n_turns):
+        ctx = ctx + ids(10 + t, 40)
+        reqs.append(WorkloadRequest(f"s-t{t}", 3.0 * t, list(ctx), 8, "s", t, prev, think_s))
+        prev = f"s-t{t}"
+    reqs.append(WorkloadRequest("a0", 1.0, ids(99, 500), 2))
+    return Workload("test", reqs, {"kind": "test"}, 16)
+
+
+def test_runtime_file_becomes_one_pool_per_instance():
+    spec = load_spec(EXAMPLES / "pdd.toml")
+    mode = mode_from_spec(spec)
+    assert [(p.name, p.role.value, p.core, p.count) for p in mode.pools] == [
+        (i.name, i.role.value, i.cpu, 1) for i in spec.instances]
+    assert {p.role for p in mode.pools} == {Role.PREFILL, Role.RELAY, Role.MAIN}
+    for pool, inst in zip(mode.pools, spec.instances):
+        e = inst.engine
+        assert (pool.kv_blocks, pool.max_batch, pool.token_budget, pool.chips, pool.hardware) == (
+            e.num_blocks, e.max_num_seqs, e.max_num_batched_tokens, e.num_threads, "cpu")
+    link = spec.links[0]
+    assert mode.wan.gbps == pytest.approx(link.bandwidth_mbps / 1e3)
+    assert mode.wan.rtt_ms == pytest.approx(2 * link.latency_ms + link.jitter_ms)
+    assert mode.cost_per_hour() == pytest.approx(spec.cost_per_hour)
+    assert mode.serving.match_round_trip and mode.serving.router_datacenter == "A"
+    assert model_shape(spec).kv_bytes_per_token == 46_080
+
+
+def test_bench_stream_chains_blocks_and_closes_the_loop():
+    wl = chain_workload()
+    s = BenchStream(wl, 16)
+    first = s.initial()
+    assert [r.request_id for r in first] == ["s-t0", "a0"]
+    t0 = first[0]
+    assert t0.block_ids == chained_block_ids(wl.requests[0].prompt_token_ids, 16)
+    (t1,) = s.next_after(t0, 10.0, failed=False)
+    assert t1.arrival_s == pytest.approx(10.5)          # think time after the user saw the end
+    assert t1.block_ids[: len(t0.block_ids)] == t0.block_ids    # shared prefix, shared ids
+    assert len(t0.full_block_ids) == (t0.prompt_tokens + t0.output_tokens) // 16
+
+
+def test_simulated_run_has_the_bench_summary_schema(tmp_path):
+    wl = chain_workload()
+    summary = simulate_deployments([RuntimeMode("pd-local", str(EXAMPLES / "pd-local.toml")),
+                                    RuntimeMode("pdd", str(EXAMPLES / "pdd.toml"))],
+                                   wl, Sla(30.0, 1.0), tmp_path, plots=False)
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert {"workload", "sla", "modes", "wall_s", "simulated_s", "baseline"} <= set(on_disk)
+    bench_keys = set(summarize_mode([], Sla(1, 1), 1.0, 1.0))
+    for name in ("pd-local", "pdd"):
+        m = summary["modes"][name]
+        assert bench_keys <= set(m) and m["num_failed"] == 0 and m["num_requests"] == 4
+        recs = [RequestRecord.from_dict(json.loads(x))
+                for x in (tmp_path / name / "records.jsonl").read_text().splitlines()]
+        by_id = {r.request_id: r for r in recs}
+        # Closed loop: turn t+1 is due after turn t ended (+ think time); P's cache serves it.
+        t0, t1 = by_id["s-t0"], by_id["s-t1"]
+        assert t1.arrival_s >= t0.arrival_s + t0.e2e_s + 0.5 - 1e-9
+        assert t1.cached_tokens >= 640 - 16
+    assert summary["modes"]["pdd"]["wan_bytes"] > 0 or summary["modes"]["pdd"]["rld_token_share"] > 0
+
+
+def _two_colocated(tmp_path: Path, cpus: tuple[int, int]) -> Path:
+    from pdd.sim.toml_out import dumps
+
+    doc = tomllib.loads((EXAMPLES / "colocated.toml").read_text())
+    a = {k: v for k, v in doc["instances"][0].items() if k != "engine"}
+    doc["instances"] = [{**a, "cpu": cpus[0]},
+                        {**a, "name": "c1", "port": a["port"] + 50, "kv_port": a["kv_port"] + 50,
+                         "cpu": cpus[1]}]
+    path = tmp_path / f"two-{cpus[0]}{cpus[1]}.toml"
+    path.write_text(dumps(doc))
+    load_spec(path)
+    return path
+
+
+def test_instances_pinned_to_one_core_share_it(tmp_path):
+    wl = Workload("two", [WorkloadRequest("x", 0.0, ids(1, 1024), 4),
+                          WorkloadRequest("y", 0.0, ids(2, 1024), 4)], {}, 16)
+    ttft = {}
+    for cpus in ((0, 1), (0, 0)):
+        entry, recs, _ = run_runtime_mode(RuntimeMode("two", str(_two_colocated(tmp_path, cpus))),
+                                          wl, Sla(60.0, 1.0))
+        assert entry["num_failed"] == 0
+        ttft[cpus] = max(r.ttft_s for r in recs)
+    # Two prefills at once on one core each take about twice as long.
+    assert ttft[(0, 0)] == pytest.approx(2 * ttft[(0, 1)], rel=0.1)
+
+
+def _steps(model: CostModel, rng: random.Random, n: int, scale: float = 1.0) -> list[dict]:
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.2:
+            c = rng.randint(64, 512)
+            rec = {"num_prefill_tokens": c, "num_decode_tokens": 0, "batch_size": 1,
+                   "context_lens": [c + rng.randint(0, 1500)]}
+        else:
+            b = rng.randint(1, 4)
+            rec = {"num_prefill_tokens": 0, "num_decode_tokens": b, "batch_size": b,
+                   "context_lens": [rng.randint(100, 2000) for _ in range(b)]}
+        rec["wall_s"] = model.step_time(StepShape.from_record(rec)) * scale * rng.uniform(0.97, 1.03)
+        out.append(rec)
+    return out
+
+
+def _fake_run(tmp_path: Path) -> Path:
+    """A bench result folder: pd-local at 1x, pdd at 1.4x (a busy machine)."""
+    true = CostModel(get_model("smollm2-135m"), get_profile("cpu"), mfu=0.3, mbu=0.5,
+                     overhead_s=0.005, per_seq_s=0.01)
+    rng = random.Random(0)
+    run = tmp_path / "run"
+    for mode, scale in (("pd-local", 1.0), ("pdd", 1.4)):
+        d = run / mode
+        d.mkdir(parents=True)
+        (d / "deploy.toml").write_text((EXAMPLES / f"{mode}.toml").read_text())
+        insts = load_spec(d / "deploy.toml").instances
+        cores = [i.cpu for i in insts if i.cpu is not None]
+        with open(d / "steps.jsonl", "w") as f:
+            for inst in insts:
+                name = inst.name
+                # Instances sharing a core: their walls carry the neighbour's slices.
+                extra = 2.0 if inst.cpu is not None and cores.count(inst.cpu) > 1 else 1.0
+                for rec in _steps(true, rng, 80, scale * extra):
+                    f.write(json.dumps({"instance": name, **rec}) + "\n")
+    return run
+
+
+def test_calibration_from_bench_folders(tmp_path):
+    run = _fake_run(tmp_path)
+    cal = fit([run], get_model("smollm2-135m"))
+    f = cal.fits[1]
+    assert f.r2 > 0.9
+    shared = {f"{m}/{i.name}" for m in ("pd-local", "pdd")
+              for i in load_spec(run / m / "deploy.toml").instances
+              if i.cpu is not None and [j.cpu for j in load_spec(run / m / "deploy.toml").instances].count(i.cpu) > 1}
+    assert shared and not shared & set(f.instances)      # shared cores left out
+    assert cal.load["pdd"] / cal.load["pd-local"] == pytest.approx(1.4, rel=0.08)
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    again = CpuCalibration.load(path)
+    assert again.fits[1].mfu == pytest.approx(f.mfu) and again.time_scale("pdd") == cal.load["pdd"]
+    assert set(again.coefficients(2)) == {"mfu", "mbu", "overhead_s", "per_seq_s"}
+
+
+def test_validate_a_bench_folder(tmp_path):
+    """Validation of a run whose 'measurements' are the simulator's own: zero error."""
+    from pdd.sim.validate import validate
+
+    run = _fake_run(tmp_path)
+    wl = chain_workload()
+    save_workload(wl, run / "workload.json")
+    assert [r.prompt_token_ids for r in load_workload(run / "workload.json").requests] == \
+        [r.prompt_token_ids for r in wl.requests]
+    cal = fit([run], get_model("smollm2-135m"))
+    sla = Sla(30.0, 1.0)
+    modes = [RuntimeMode(m, str(run / m / "deploy.toml"), run=m) for m in ("pd-local", "pdd")]
+    summary = simulate_deployments(modes, wl, sla, None, cal)
+    (run / "summary.json").write_text(json.dumps({k: summary[k] for k in ("workload", "sla", "modes")}))
+    v = validate(run)
+    assert json.loads((run / "validation.json").read_text())["modes"].keys() == {"pd-local", "pdd"}
+    for row in v["modes"].values():
+        for metric in ("ttft_p50", "ttft_p90", "tpot_mean", "goodput_rps"):
+            assert row[metric] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_runner_saves_deploy_file_and_steps(tmp_path, monkeypatch):
+    from pdd.bench import runner
+
+    spec = load_spec(EXAMPLES / "pd-local.toml")
+    fake = type("Dep", (), {"spec": spec, "secret": b"s" * 32})()
+    monkeypatch.setattr(runner, "fetch_steps", lambda url, secret: [
+        {"instance": url[-4:], "num_prefill_tokens": 1, "num_decode_tokens": 0, "batch_size": 1,
+         "context_lens": [1], "wall_s": 0.1}])
+    save_run_artefacts(fake, runner.ModeSpec("pd-local", str(EXAMPLES / "pd-local.toml")), tmp_path)
+    assert (tmp_path / "deploy.toml").read_text() == (EXAMPLES / "pd-local.toml").read_text()
+    assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == 2
+    # A fake deployment (no spec, no secret) only gets the file copy, silently.
+    other = tmp_path / "fake"
+    other.mkdir()
+    save_run_artefacts(object(), runner.ModeSpec("x", "no/such.toml", {"policy": {"a": 1}}), other)
+    assert sorted(p.name for p in other.iterdir()) == ["overrides.json"]
+
+
+def test_plan_writes_loadable_winners(tmp_path):
+    from pdd.sim.plan import deployment_doc, resize, scenario_doc
+    from pdd.sim.scenario import load, parse
+    from pdd.sim.toml_out import dumps
+
+    spec = load_spec(EXAMPLES / "pdd.toml")
+    big = resize(spec, {"prefill": 3, "main": 2})
+    assert [i.name for i in big.by_role(big.instances[0].role)] == ["p0", "p1", "p2"]
+    again = parse_spec(tomllib.loads(dumps(deployment_doc(big), inline=("engine",))))
+    assert [(i.name, i.port, i.engine) for i in again.instances] == \
+        [(i.name, i.port, i.engine) for i in big.instances]
+    sc = load([EXAMPLES / "sim" / "tiny.toml"])
+    back = parse(tomllib.loads(dumps(scenario_doc(sc, sc.modes[0]))))
+    assert back.modes[0] == sc.modes[0] and back.workload == sc.workload and back.model == sc.model
+
+
+def test_single_chunk_packing_runs_tail_chunks_alone():
+    from pdd.sim.runner import run_mode
+    from pdd.sim.scenario import load
+    from pdd.sim.workload import FixedHitWorkload
+
+    sc = load([EXAMPLES / "sim" / "tiny.toml"])
+    wl = FixedHitWorkload(duration_s=40.0, num_users=8, prompt_tokens=8192, output_tokens=16,
+                          hit_rate=0.5, turns=4, think_time_s=0.5, block_size=64)
+    sc = dataclasses.replace(sc, workload=wl, settings=dataclasses.replace(sc.settings, warmup_s=0.0))
+    mode = next(m for m in sc.modes if m.name == "colocated")
+    steps = {}
+    for packing in ("packed", "single"):
+        m = dataclasses.replace(mode, pools=tuple(dataclasses.replace(p, chunk_packing=packing)
+                                                  for p in mode.pools))
+        e, _, _ = run_mode(sc, m)
+        assert e["num_failed"] == 0
+        assert e["prefix_hit_rate"] == pytest.approx(0.5 * 3 / 4, abs=0.06)
+        steps[packing] = sum(p["steps"] for p in e["sim"]["pools"].values())
+    assert steps["single"] > steps["packed"]
