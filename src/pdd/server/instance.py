@@ -44,6 +44,9 @@ def bad_request(msg: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": msg, "type": "invalid_request_error"}}, status=status)
 
 
+MAX_PENDING_BLOCKS = 64
+
+
 @dataclass
 class KVArrival:
     """One request's incoming prompt KV (decode side)."""
@@ -51,6 +54,8 @@ class KVArrival:
     created_s: float = field(default_factory=time.monotonic)
     importer: object | None = None
     status: TransferStatus | None = None
+    pending: list = field(default_factory=list)      # (index, payload) not yet in the pool
+    flushing: asyncio.Task | None = None
 
 
 class InstanceServer:
@@ -250,16 +255,35 @@ class InstanceServer:
         a = self.arrivals.get(request_id)
         if a is None or a.importer is None:
             raise KVImportError(f"no transfer begun for {request_id}")
-        await self.loop.call(lambda e: a.importer.add_block(index, payload))
+        # Blocks go into the pool in batches: one engine-thread call per batch, not
+        # per block, so a decoder busy with long steps still imports at line rate.
+        a.pending.append((index, payload))
+        if a.flushing is None or a.flushing.done():
+            a.flushing = asyncio.get_running_loop().create_task(self._flush(a))
+        if len(a.pending) >= MAX_PENDING_BLOCKS:       # bound what waits in memory
+            await asyncio.shield(a.flushing)
+
+    async def _flush(self, a: KVArrival) -> None:
+        while a.pending:
+            batch, a.pending = a.pending, []
+            await self.loop.call(lambda e: [a.importer.add_block(i, p) for i, p in batch])
 
     async def on_end(self, request_id: str, status: TransferStatus) -> None:
         a = self.arrivals.get(request_id)
         if a is None:
             return
+        import_error = None
+        if a.flushing is not None:
+            try:
+                await a.flushing                  # success means every block is in the pool
+            except Exception as e:
+                import_error = f"importing KV failed: {e}"
         a.status = status
         self.metrics.on_kv_received(status)
         if not a.done.done():
-            if status.ok:
+            if import_error:
+                a.done.set_exception(RuntimeError(import_error))
+            elif status.ok:
                 a.done.set_result(status)
             else:
                 a.done.set_exception(RuntimeError(f"KV transfer failed: {status.error}"))
