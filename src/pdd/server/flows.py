@@ -215,18 +215,24 @@ async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
         streams.close_all()
 
 
-async def abort(client: InternalClient, m: Member, ctx: RequestContext) -> None:
+async def control(client: InternalClient, m: Member, path: str, body: dict, ctx: RequestContext,
+                  timeout_s: float = 10.0) -> None:
+    """A best-effort control call (abort, release, extend...): a failure is recorded
+    on the trace, not raised; an unreachable instance drops the request anyway
+    when its stream closes."""
     try:
-        await client.post(m.http.url, "/internal/abort", {"request_id": ctx.request_id}, timeout_s=5.0)
-    except Exception:
-        pass  # an unreachable instance drops the request when its stream closes
+        await client.post(m.http.url, path, body, timeout_s=min(timeout_s, ctx.remaining_s()))
+    except Exception as e:
+        ctx.trace.event("control_error", instance=m.spec.name, path=path, error=repr(e))
+
+
+async def abort(client: InternalClient, m: Member, ctx: RequestContext) -> None:
+    await control(client, m, "/internal/abort", {"request_id": ctx.request_id}, ctx, timeout_s=5.0)
 
 
 async def release(client: InternalClient, p: Member, ctx: RequestContext) -> None:
-    try:
-        await client.post(p.http.url, "/internal/release", {"request_id": ctx.request_id}, timeout_s=5.0)
-    except Exception:
-        pass  # closing the prefill stream frees the KV as well
+    """P frees the prompt KV (closing the prefill stream frees it as well)."""
+    await control(client, p, "/internal/release", {"request_id": ctx.request_id}, ctx, timeout_s=5.0)
 
 
 def new_request_id() -> str:

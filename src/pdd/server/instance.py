@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from aiohttp import web
 
@@ -130,8 +130,6 @@ class InstanceServer:
 
     async def steps(self, request: web.Request) -> web.Response:
         """The engine's step records (shape and wall time), for simulator calibration."""
-        from dataclasses import asdict
-
         records = await self.loop.call(lambda e: [asdict(r) for r in e.step_log])
         return web.json_response({"instance": self.inst.name, "role": self.inst.role.value, "steps": records})
 

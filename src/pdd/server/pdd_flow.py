@@ -27,8 +27,8 @@ from pdd.policy import (
 from pdd.policy.pipeline import rld_tpot_s
 from pdd.server.cluster import Cluster, Member
 from pdd.server.flows import (
-    FlowError, RequestContext, Streams, decode_body, finish, note_prefill, note_transfer, prefill_body,
-    release, target,
+    FlowError, RequestContext, Streams, control, decode_body, finish, note_prefill, note_transfer,
+    prefill_body, release, target,
 )
 from pdd.server.wire import InternalClient
 
@@ -299,10 +299,7 @@ class PddRun:
         return True
 
     async def post(self, m: Member, path: str, body: dict) -> None:
-        try:
-            await self.client.post(m.http.url, path, body, timeout_s=min(10.0, self.ctx.remaining_s()))
-        except Exception as e:
-            self.ctx.trace.event("control_error", instance=m.spec.name, path=path, error=repr(e))
+        await control(self.client, m, path, body, self.ctx)
 
 
 async def pdd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient) -> AsyncIterator[int]:
