@@ -108,6 +108,28 @@ QUICK = AgenticConfig(
 )
 
 
+# Steadier numbers for `pdd sim --validate`: eight 5-turn sessions, one
+# abnormal call, shorter contexts so that cold turns queue less. Cold turns
+# (about a fifth) and warm turns lie on either side of the median, far from
+# it, and p90 falls well inside the cold ones; ~3 min per mode on this CPU.
+VALIDATE = AgenticConfig(
+    num_requests=40,
+    turns=(5, 5),
+    system_prompt_tokens=256,
+    initial_context_tokens=(768, 1024),
+    tool_output_tokens=(4, 12),
+    output_tokens=(48, 64),
+    big_tool_prob=0.0,
+    abnormal_input_tokens=(1280, 1536),
+    abnormal_output_tokens=(2, 2),
+    max_context_tokens=2048,
+    session_rate_per_s=0.1,
+    turn_interval_s=3.0,
+)
+
+PRESETS = {"full": AgenticConfig(), "quick": QUICK, "validate": VALIDATE}
+
+
 def num_abnormal(cfg: AgenticConfig) -> int:
     """round(fraction x n), but at least one when the fraction is non-zero and n >= 10."""
     if cfg.abnormal_fraction <= 0 or cfg.num_requests == 0:

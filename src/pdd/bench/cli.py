@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results/bench", help="output folder")
     parser.add_argument("--quick", action="store_true",
                         help="small workload: four modes in a few minutes on a CPU")
+    parser.add_argument("--preset", choices=("full", "quick", "validate"), default=None,
+                        help="agentic workload preset (--quick = --preset quick; validate: "
+                             "40 requests, steadier percentiles for pdd sim --validate)")
     parser.add_argument("--sla-ttft", type=float, default=DEFAULT_SLA_TTFT_S, metavar="S")
     parser.add_argument("--sla-tpot", type=float, default=DEFAULT_SLA_TPOT_S, metavar="S")
     parser.add_argument("--ablation", action="append", default=[], metavar="[BASE:]NAME",
@@ -94,7 +97,8 @@ def build_workload(args: argparse.Namespace):
     from pdd.bench.workload import validate_token_ids, with_poisson_arrivals
 
     if args.workload == "agentic":
-        cfg = agentic.QUICK if args.quick else agentic.AgenticConfig()
+        preset = getattr(args, "preset", None) or ("quick" if args.quick else "full")
+        cfg = agentic.PRESETS[preset]
         cfg = replace(cfg, seed=args.seed, vocab_size=args.vocab_size,
                       closed_loop=not args.open_loop)
         if args.num_requests is not None:

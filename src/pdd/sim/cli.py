@@ -54,6 +54,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload (runtime files; as `pdd bench`)")
     w.add_argument("--quick", action="store_true",
                    help="the quick bench workload (pdd sim report: shorter sweeps)")
+    w.add_argument("--preset", choices=("full", "quick", "validate"), default=None,
+                   help="agentic workload preset, as pdd bench's")
     w.add_argument("--workload", default="agentic", help="agentic | trace:PATH")
     w.add_argument("--num-requests", type=int, default=None)
     w.add_argument("--seed", type=int, default=0)
