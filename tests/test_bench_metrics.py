@@ -5,6 +5,7 @@ import math
 import pytest
 
 from pdd.bench.metrics import (
+    Pricing,
     Sla,
     cost_per_million_tokens,
     distribution,
@@ -65,6 +66,13 @@ def test_goodput_and_bcr_by_hand():
     assert s["wan_bytes"] == 1000
     assert s["rld_token_share"] == pytest.approx(0.1)           # 1 of 10 output tokens
     assert s["prefix_hit_rate"] == pytest.approx(140 / 500)
+    # Revenue of the two SLA requests at $1 / $4 per M tokens, cached input at 25%:
+    # ok1: 50 + 50 * 0.25 input, 3 output; ok2: 10 + 90 * 0.25 input, 2 output.
+    earned = ((62.5 + 32.5) * 1.0 + 5 * 4.0) / 1e6
+    assert s["revenue_per_hour"] == pytest.approx(earned / 10.0 * 3600)
+    assert s["revenue_bcr"] == pytest.approx(earned / 10.0 * 3600 / 4.0)
+    cheap = summarize_mode(records, sla, 4.0, 10.0, Pricing(cached_input_fraction=0.1))
+    assert cheap["revenue_per_hour"] < s["revenue_per_hour"]
 
 
 def test_handoff_gap_ratio():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 

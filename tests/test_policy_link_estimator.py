@@ -49,3 +49,29 @@ def test_time_must_not_go_backwards():
 
 def test_transfer_time_is_rtt_plus_bytes_over_rate():
     assert LinkEstimate(1e6, 0.1).transfer_s(2_000_000) == pytest.approx(2.1)
+
+
+def test_fixed_overhead_is_not_mistaken_for_a_slow_line():
+    # A 25 MB/s line whose receiver adds 0.3 s to every transfer (it imports
+    # between engine steps). Cold prompts (50 MB) and follow-ups (4 MB) alternate.
+    line, overhead, rtt = 25e6, 0.3, 0.045
+    le = LinkEstimator(LinkEstimate(line, rtt))
+    t = 0.0
+    for k in range(20):
+        size = 50_000_000 if k % 3 == 0 else 4_000_000
+        t += 1.0
+        le.observe(t, size, rtt + overhead + size / line)
+    est = le.estimate(t)
+    assert est.throughput_bytes_s == pytest.approx(line, rel=1e-6)
+    assert est.overhead_s == pytest.approx(overhead, rel=1e-6)
+    # A follow-up's time is predicted right, not as 4 MB at a rate dragged down by the overhead.
+    assert est.transfer_s(4_000_000) == pytest.approx(rtt + overhead + 0.16, rel=1e-6)
+
+
+def test_equal_sizes_keep_the_single_rate_estimate():
+    le = LinkEstimator(LinkEstimate(1.25 * GB, 0.05))
+    for k in range(40):
+        le.observe(float(k), 10_000_000, 0.15)
+    est = le.estimate(40.0)
+    assert est.overhead_s == 0.0
+    assert est.throughput_bytes_s == pytest.approx(1e8, rel=0.01)     # 10 MB in 0.1 s payload

@@ -56,6 +56,25 @@ def test_slow_wan_turns_high_hit_into_relay():
     assert d.pipeline is Pipeline.RELAY
 
 
+def test_relay_needs_a_real_head_start_over_the_local_link():
+    # A CPU-like deployment: a 2K-token follow-up lacks
+    # 6 blocks on MD (~0.9 s over a slow, overhead-laden WAN), while the whole
+    # prompt reaches RLD in ~0.75 s (the receiver's step wait dominates both).
+    wan = LinkEstimate(throughput_bytes_s=20e6, rtt_s=0.05, overhead_s=0.6)
+    local = LinkEstimate(throughput_bytes_s=400e6, rtt_s=2e-4, overhead_s=0.5)
+    r = RequestFacts("r1", 2048, 256, 46_080, 16)
+    base = cluster(md_matched=2048 - 6 * 16, wan=wan)
+    view = ClusterView(base.instances, base.matched_tokens, wan, 10.0, local=local)
+    d = choose_pipeline(r, view, CFG)
+    assert d.est_wan_s > CFG.direct_max_wan_s          # the old rule alone would relay
+    assert d.pipeline is Pipeline.DIRECT and d.reason.startswith("relay gains")
+    # A cold prompt of the same size still relays: 94 MB take ~5 s over that WAN.
+    cold = ClusterView(base.instances, {}, wan, 10.0, local=local)
+    assert choose_pipeline(r, cold, CFG).pipeline is Pipeline.RELAY
+    # Without a local estimate the rule is off.
+    assert choose_pipeline(r, base, CFG).pipeline is Pipeline.RELAY
+
+
 def test_without_drc_md_cache_is_ignored():
     d = choose_pipeline(req(), cluster(md_matched=63_984), PolicyConfig(enable_drc=False))
     assert d.pipeline is Pipeline.RELAY and d.missing_bytes == 64_000 * KVB

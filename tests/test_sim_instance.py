@@ -27,7 +27,7 @@ def test_chunked_prefill_leaves_tail_chunks():
     plans, now = [], 0.0
     while (t := i.start_step(now)) is not None:
         plans.append(i.current_chunks)
-        out = i.end_step(t)
+        i.end_step(t)
         now = t
         if len(plans) > 5:
             break

@@ -174,7 +174,7 @@ def test_calibration_from_bench_folders(tmp_path):
     assert cal.load["pdd"] / cal.load["pd-local"] == pytest.approx(1.4, rel=0.08)
     path = tmp_path / "cal.json"
     cal.save(path)
-    again = CpuCalibration.load(path)
+    again = CpuCalibration.read(path)
     assert again.fits[1].mfu == pytest.approx(f.mfu) and again.time_scale("pdd") == cal.load["pdd"]
     assert set(again.coefficients(2)) == {"mfu", "mbu", "overhead_s", "per_seq_s"}
 

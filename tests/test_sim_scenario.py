@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import pdd.sim.cluster as cluster_mod
+import pdd.sim.decoders as decoders_mod
 from pdd.bench.records import RequestRecord
 from pdd.policy import HandoffSession
 from pdd.sim import cli
@@ -67,7 +68,7 @@ def test_every_request_gets_all_its_tokens_in_order():
 
 def test_simulator_calls_the_policy_objects(monkeypatch):
     calls = {"pipeline": 0, "session": 0}
-    real_choose, real_session = cluster_mod.choose_pipeline, cluster_mod.HandoffSession
+    real_choose, real_session = cluster_mod.choose_pipeline, decoders_mod.HandoffSession
 
     def choose(*a, **k):
         calls["pipeline"] += 1
@@ -78,7 +79,7 @@ def test_simulator_calls_the_policy_objects(monkeypatch):
             calls["session"] += 1
             super().__init__(*a, **k)
     monkeypatch.setattr(cluster_mod, "choose_pipeline", choose)
-    monkeypatch.setattr(cluster_mod, "HandoffSession", Session)
+    monkeypatch.setattr(decoders_mod, "HandoffSession", Session)
     sc = short(30.0)
     _, records, _ = run_mode(sc, sc.modes[0])
     assert calls["pipeline"] >= len(records)      # once per arrival (warm-up ones too)

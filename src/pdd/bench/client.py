@@ -41,6 +41,7 @@ TRACE_DEFAULTS: dict = {
     "pipeline": None,
     "handoff_mode": None,
     "cached_tokens": None,
+    "pipeline_reason": None,
 }
 
 
@@ -161,9 +162,23 @@ async def fetch_trace(http, base_url: str, server_id: str | None, timeout_s: flo
                     data = await resp.json(content_type=None)
                     if isinstance(data, dict):
                         facts.update({k: data[k] for k in TRACE_DEFAULTS if data.get(k) is not None})
+                        facts["events"] = trace_events(data)
     except Exception:  # noqa: BLE001 - a missing trace must not fail the request
         pass
     return facts
+
+
+def trace_events(trace: dict) -> list[dict]:
+    """The trace's events with times relative to the router's arrival."""
+    t0 = trace.get("arrival_s")
+    out = []
+    for ev in trace.get("events") or []:
+        if not isinstance(ev, dict) or "ts" not in ev or t0 is None:
+            continue
+        e = {k: v for k, v in ev.items() if k not in ("ts", "ts_abs")}
+        e["t"] = round(float(ev["ts"]) - float(t0), 6)
+        out.append(e)
+    return out
 
 
 def build_record(req: WorkloadRequest, arrival_s: float, end_s: float, st: _Stream,
@@ -191,6 +206,8 @@ def build_record(req: WorkloadRequest, arrival_s: float, end_s: float, st: _Stre
         handoff_gap_s=facts["handoff_gap_s"],
         pipeline=facts["pipeline"],
         handoff_mode=facts["handoff_mode"],
+        pipeline_reason=facts.get("pipeline_reason"),
+        events=list(facts.get("events") or []),
     )
 
 

@@ -19,6 +19,28 @@ class Sla:
     tpot_s: float
 
 
+@dataclass(frozen=True)
+class Pricing:
+    """What a served request earns, per million tokens (a typical API price list).
+
+    Cached input tokens are billed at a fraction of uncached ones (10-25% in
+    the report's market), so a higher hit rate is not automatically more
+    revenue. Only requests within the SLA earn anything.
+    """
+
+    input_per_mtok: float = 1.0
+    cached_input_fraction: float = 0.25
+    output_per_mtok: float = 4.0
+
+    def revenue(self, r: RequestRecord) -> float:
+        cached = min(r.cached_tokens, r.prompt_tokens)
+        tokens_in = (r.prompt_tokens - cached) + cached * self.cached_input_fraction
+        return (tokens_in * self.input_per_mtok + r.output_tokens * self.output_per_mtok) / 1e6
+
+
+DEFAULT_PRICING = Pricing()
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile (q in [0, 100]), numpy's default method."""
     if not values:
@@ -59,13 +81,15 @@ def handoff_gap_ratio(records: list[RequestRecord]) -> float | None:
 
 
 def summarize_mode(
-    records: list[RequestRecord], sla: Sla, cost_per_hour: float, duration_s: float
+    records: list[RequestRecord], sla: Sla, cost_per_hour: float, duration_s: float,
+    pricing: Pricing = DEFAULT_PRICING,
 ) -> dict:
     """One mode's entry of summary.json (`modes.<mode>`)."""
     ok = [r for r in records if not r.failed]
     good = [r for r in records if meets_sla(r, sla)]
     goodput = len(good) / duration_s if duration_s > 0 else 0.0
     total_out = sum(r.output_tokens for r in ok)
+    revenue_h = sum(pricing.revenue(r) for r in good) / duration_s * 3600.0 if duration_s > 0 else 0.0
     return {
         "num_requests": len(records),
         "num_failed": len(records) - len(ok),
@@ -81,6 +105,10 @@ def summarize_mode(
         "cost_per_hour": cost_per_hour,
         # BCR: requests/s within SLA per (cost/hour); higher is better.
         "bcr": goodput / cost_per_hour if cost_per_hour > 0 else math.nan,
+        # The same with revenue as the benefit: SLA requests billed at `pricing`
+        # (cached input at a fraction), per unit of hardware cost.
+        "revenue_per_hour": revenue_h,
+        "revenue_bcr": revenue_h / cost_per_hour if cost_per_hour > 0 else math.nan,
         "wan_bytes": sum(r.wan_bytes for r in records),
         "uncached_kv_bytes": sum(r.uncached_kv_bytes for r in records),
         "rld_token_share": (sum(r.rld_tokens for r in ok) / total_out) if total_out else 0.0,

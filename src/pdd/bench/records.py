@@ -24,6 +24,11 @@ class RequestRecord:
     handoff_gap_s: float | None = None   # inter-token gap at the RLD -> MD switch
     pipeline: str | None = None      # policy decision, e.g. "direct", "relay", "relay_filtered"
     handoff_mode: str | None = None  # "one_shot" / "catch_up" when a handoff happened
+    pipeline_reason: str | None = None   # why the policy chose it (the router's words)
+    # The router's trace events, seconds after the router received the request:
+    # {"name", "t", ...}, e.g. prefill_end, kv_transfer (link, payload_bytes,
+    # elapsed_s), kv_ready. What a replay needs to see where time went.
+    events: list[dict] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:

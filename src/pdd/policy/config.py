@@ -22,6 +22,11 @@ class PolicyConfig:
     # DIRECT (P->MD) when MD is estimated to hold the prompt KV within this
     # many seconds of prefill: a relay would emit at most a handful of tokens.
     direct_max_wan_s: float = 0.5
+    # ... and also when RLD would not have the whole prompt KV at least this
+    # much sooner than MD has what it lacks (needs the local link estimate):
+    # a high-hit follow-up's few new blocks cross the WAN about as fast as the
+    # whole prompt reaches RLD, and a relay would only add RLD's work.
+    relay_min_gain_s: float = 0.25
     enable_drc: bool = True           # MD keeps a prefix cache (decode-side RadixCache)
     md_reachable: bool = True         # operator switch: False forces RELAY_ONLY ("wan down")
 
@@ -54,6 +59,8 @@ class PolicyConfig:
             object.__setattr__(self, "handoff_mode", HandoffOverride(self.handoff_mode))
         if self.direct_max_wan_s < 0:
             raise ValueError("direct_max_wan_s must be >= 0")
+        if self.relay_min_gain_s < 0:
+            raise ValueError("relay_min_gain_s must be >= 0")
         for name in ("penalty_tokens_per_running", "penalty_tokens_per_waiting",
                      "penalty_tokens_kv_full"):
             if getattr(self, name) < 0:

@@ -8,6 +8,15 @@ Time is passed in; nothing here reads a clock.
 Throughput samples subtract the current RTT estimate from the duration, since
 each transfer pays one handshake round trip (BEGIN -> HAVE) before the bytes
 flow; transfers too small to say anything about bandwidth only feed the RTT.
+
+A transfer also pays a fixed cost that is not bandwidth: a busy receiver puts
+the blocks into its pool between two engine steps, so the KV is usable only
+after the step under way (hundreds of ms on a CPU). Folded into the rate, it
+makes a small transfer look like a slow line, and a 4 MB follow-up would be
+judged as slow as a cold prompt. So the estimator also fits duration =
+a + bytes / rate over recent transfers of varied sizes (exponentially
+weighted least squares); when the sizes vary enough, the slope gives the rate
+and the intercept, less the RTT, the fixed overhead.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from pdd.policy.views import LinkEstimate
 class EstimatorConfig:
     alpha: float = 0.2                     # weight of one new sample
     min_sample_bytes: int = 256 * 1024     # below: latency-dominated, no throughput sample
+    fit_min_samples: int = 4               # throughput samples before the two-term fit is used
+    fit_min_spread: float = 0.5            # ... and their sizes' std / mean at least this
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0:
@@ -39,6 +50,8 @@ class LinkEstimator:
         self._up = True
         self._last_s: float | None = None
         self.num_samples = 0
+        # Exponentially weighted moments of (MB, seconds) of throughput samples.
+        self._mx = self._my = self._mxx = self._mxy = 0.0
 
     @classmethod
     def from_line(cls, bandwidth_bits_s: float, latency_s: float,
@@ -67,6 +80,26 @@ class LinkEstimator:
         payload_s = max(duration_s - self._rtt, duration_s * 0.1)
         self._throughput = self._fold(self._throughput, num_bytes / payload_s)
         self.num_samples += 1
+        # The first samples weigh equally, later ones exponentially.
+        w = max(self.cfg.alpha, 1.0 / self.num_samples)
+        x, y = num_bytes / 1e6, duration_s
+        self._mx += w * (x - self._mx)
+        self._my += w * (y - self._my)
+        self._mxx += w * (x * x - self._mxx)
+        self._mxy += w * (x * y - self._mxy)
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(rate in bytes/s, overhead s) from the two-term fit, when it is trustworthy."""
+        if self.num_samples < self.cfg.fit_min_samples or self._mx <= 0:
+            return None
+        var = self._mxx - self._mx * self._mx
+        if var <= (self.cfg.fit_min_spread * self._mx) ** 2:
+            return None
+        slope = (self._mxy - self._mx * self._my) / var       # seconds per MB
+        if slope <= 0:
+            return None
+        intercept = self._my - slope * self._mx
+        return 1e6 / slope, max(intercept - self._rtt, 0.0)
 
     def observe_rtt(self, now: float, rtt_s: float) -> None:
         if rtt_s < 0:
@@ -84,4 +117,8 @@ class LinkEstimator:
         # `now` is part of the contract so that a later version may age stale
         # samples toward the prior; today the estimate does not decay.
         del now
-        return LinkEstimate(self._throughput, self._rtt, up=self._up)
+        fit = self._fit()
+        if fit is None:
+            return LinkEstimate(self._throughput, self._rtt, up=self._up)
+        rate, overhead = fit
+        return LinkEstimate(rate, self._rtt, up=self._up, overhead_s=overhead)

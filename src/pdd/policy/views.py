@@ -67,9 +67,12 @@ class LinkEstimate:
     throughput_bytes_s: float
     rtt_s: float
     up: bool = True
+    # Fixed cost of one transfer beyond the round trip: the receiver putting
+    # the blocks into its pool between its engine steps, connection work.
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.throughput_bytes_s < 0 or self.rtt_s < 0:
+        if self.throughput_bytes_s < 0 or self.rtt_s < 0 or self.overhead_s < 0:
             raise ValueError("link estimate must be non-negative")
 
     @property
@@ -77,10 +80,10 @@ class LinkEstimate:
         return self.up and self.throughput_bytes_s > 0
 
     def transfer_s(self, num_bytes: int) -> float:
-        """One handshake round trip plus the bytes at the estimated rate."""
+        """One handshake round trip, the fixed overhead, the bytes at the estimated rate."""
         if not self.usable:
             return math.inf
-        return self.rtt_s + num_bytes / self.throughput_bytes_s
+        return self.rtt_s + self.overhead_s + num_bytes / self.throughput_bytes_s
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,8 @@ class ClusterView:
     matched_tokens: Mapping[str, int]
     wan: LinkEstimate
     now: float
+    # P -> RLD inside the datacenter; None: not measured (no relay-gain rule).
+    local: LinkEstimate | None = None
     _by_id: dict[str, InstanceView] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from pdd.deploy.spec import DeploymentSpec, InstanceSpec, Role
 from pdd.deploy.topology import Address, address
-from pdd.policy import ClusterView, InstanceView, LinkEstimate, LinkEstimator, PolicyConfig
+from pdd.policy import ClusterView, InstanceView, LinkEstimator, PolicyConfig
 from pdd.policy import Role as PolicyRole
 from pdd.server.wire import InternalClient
 
@@ -30,6 +30,10 @@ class Member:
     in_flight: int = 0      # dispatched by this router and not yet finished
 
 
+LOCAL_LINE_BITS_S = 4e9
+LOCAL_LATENCY_S = 1e-4
+
+
 class Cluster:
     def __init__(self, spec: DeploymentSpec, client: InternalClient, policy: PolicyConfig):
         self.spec, self.client, self.policy = spec, client, policy
@@ -42,6 +46,9 @@ class Cluster:
         self.wan = LinkEstimator.from_line(
             (wan.bandwidth_mbps if wan else 10_000.0) * 1e6, (wan.latency_ms if wan else 0.1) / 1e3
         )
+        # Inside a datacenter (P -> RLD, P -> D): loopback TCP here, ~4 Gbit/s
+        # before the first measurement.
+        self.local = LinkEstimator.from_line(LOCAL_LINE_BITS_S, LOCAL_LATENCY_S)
         self.wan_up = True
 
     def kv_address(self, target: str, from_instance: str) -> Address:
@@ -102,5 +109,6 @@ class Cluster:
         members = [m for m in self.members.values() if m.healthy or m.spec.role == Role.PREFILL]
         est = self.wan.estimate(now)
         if not self.wan_up:
-            est = LinkEstimate(est.throughput_bytes_s, est.rtt_s, up=False)
-        return ClusterView(tuple(self._view(m) for m in members), matched, est, now)
+            est = replace(est, up=False)
+        return ClusterView(tuple(self._view(m) for m in members), matched, est, now,
+                           local=self.local.estimate(now))

@@ -126,6 +126,9 @@ def note_transfer(ctx: RequestContext, ev: dict, cluster: Cluster) -> None:
                 cluster.wan.observe(time.monotonic(), int(ev.get("payload_bytes", 0)), float(ev["elapsed_s"]))
         else:
             ctx.trace.local_bytes += int(ev.get("payload_bytes", 0))
+            if ev.get("elapsed_s"):
+                cluster.local.observe(time.monotonic(), int(ev.get("payload_bytes", 0)),
+                                      float(ev["elapsed_s"]))
         ctx.trace.kv_landed_s[ev["target"]] = ev.get("ts", time.time()) - ctx.trace.arrival_s
     elif link == "wan":
         ctx.trace.wan_bytes += int(ev.get("payload_bytes", 0))

@@ -319,13 +319,15 @@ class InstanceServer:
             await out.send({"event": "kv_ready", "ts": time.time(), "payload_bytes": status.payload_bytes,
                             "blocks": status.num_blocks_sent, "skipped": status.num_blocks_skipped,
                             "elapsed_s": status.elapsed_s})
+            if not hold:
+                # P's first token is final: stream it now rather than after the
+                # engine's next step boundary (the submit below waits for one).
+                await out.send({"event": "token", "i": 0, "t": first, "ts": time.time()})
             try:
                 q = await self.loop.submit(EngineRequest(rid, prompt, sampling, output_ids=[first], hold=hold))
             except InvalidRequestError as e:
                 await out.send({"event": "finished", "reason": "error", "error": str(e), "ts": time.time()})
                 return out.resp
-            if not hold:
-                await out.send({"event": "token", "i": 0, "t": first, "ts": time.time()})
             await self._stream_tokens(rid, q, out)
         return out.resp
 

@@ -119,7 +119,7 @@ class RouterServer:
                              self.block_size)
         if parsed.stream:
             return await self._stream(request, parsed, ctx)
-        text, error = "", None
+        text = ""
         async for delta in self._texts(ctx, parsed):
             text += delta
         if trace.error:

@@ -98,7 +98,7 @@ class CpuCalibration:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: Path) -> "CpuCalibration":
+    def read(cls, path: Path) -> "CpuCalibration":
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 

@@ -90,7 +90,7 @@ def _options(args):
 def _calibration(args):
     from pdd.sim.calibration import CpuCalibration
 
-    return CpuCalibration.load(args.calibration) if args.calibration else None
+    return CpuCalibration.read(args.calibration) if args.calibration else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,27 +26,34 @@ request reaches P, each token's trip from its instance to the user, and CPU
 cores shared by several instances. A shared core is a processor-sharing
 server (the `Link` arithmetic with seconds of work for bytes): the steps of
 its instances interleave, each running at 1/n speed while n are busy.
+
+Arrival, routing, prefill and steps live here; KV flows in `transfers.py`
+(`TransfersMixin`) and the decoders' side (eager tokens, live filter, handoff)
+in `decoders.py` (`DecodersMixin`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdd.policy import (
-    ClusterView, Complete, HandoffSession, HandoffState, LinkEstimator, NoRouteError, Pipeline,
-    RequestFacts, Role, SendBatch, choose_handoff_mode, choose_pipeline, pick_instance,
-    should_cancel_wan,
+    ClusterView, LinkEstimator, NoRouteError, Pipeline, RequestFacts, Role, choose_pipeline,
+    pick_instance,
 )
 from pdd.sim.cost_model import CostModel
+from pdd.sim.decoders import DecodersMixin
 from pdd.sim.hardware import get_profile
 from pdd.sim.instance import Job, JobKind, Seq, SimInstance
 from pdd.sim.link import Link
 from pdd.sim.loop import Event, EventKind, EventLoop
 from pdd.sim.request import SimRequest
 from pdd.sim.scenario import ModeSpec, Scenario
+from pdd.sim.transfers import TransfersMixin
 
 DECODERS = (Role.MAIN, Role.DECODE)
 
 
-class Cluster:
+class Cluster(TransfersMixin, DecodersMixin):
     def __init__(self, mode: ModeSpec, scenario: Scenario, stream) -> None:
         self.mode, self.scenario, self.stream = mode, scenario, stream
         self.cfg = mode.policy
@@ -90,6 +97,7 @@ class Cluster:
         md_dc = next((i.datacenter for i in self.instances.values() if i.role in DECODERS), None)
         p_dc = next((i.datacenter for i in self.instances.values() if i.role is Role.PREFILL), None)
         self.md_link = self._link_name(p_dc, md_dc) if p_dc and md_dc else None
+        self.p_link = f"rdma-{p_dc}" if p_dc else None      # P -> RLD
         # flow id -> (request, "rld" | "md", destination id, start time, bytes, link name)
         self.flows: dict[str, tuple[SimRequest, str, str, float, int, str]] = {}
         self.flow_steps: dict[str, int] = {}      # flow id -> receiver's step count at its start
@@ -104,7 +112,7 @@ class Cluster:
         self.router_delay_s = 0.0
         sv = mode.serving
         self.manifest_wait = sv is not None and sv.manifest_after_step
-        self.import_wait = sv is not None and sv.import_per_step
+        self.import_wait = sv.import_wait if sv is not None else "none"
         if sv is not None:
             for inst in self.instances.values():
                 inst.deliver_s = sv.token_s + self._one_way_dc(sv.router_datacenter, inst.datacenter)
@@ -207,8 +215,10 @@ class Cluster:
         matched = {i.instance_id: self._matched(i, req) for i in insts if i.cache is not None}
         wan = self.estimators[self.md_link].estimate(now) if self.md_link else None
         if wan is not None and not self.links[self.md_link].up:
-            wan = type(wan)(wan.throughput_bytes_s, wan.rtt_s, up=False)
-        view = ClusterView(tuple(i.view() for i in insts), matched, wan, now)
+            wan = dataclasses.replace(wan, up=False)
+        local = self.estimators.get(self.p_link) if self.p_link else None
+        view = ClusterView(tuple(i.view() for i in insts), matched, wan, now,
+                           local=local.estimate(now) if local is not None else None)
         try:
             d = choose_pipeline(self._facts(req), view, self.cfg)
         except NoRouteError as e:
@@ -269,12 +279,13 @@ class Cluster:
             p.release(job.num_blocks)
             req.emit([now], relay=False, delay_s=p.deliver_s)
             if req.finished:
+                p.unshare(job.shared)
                 return self._finish(req, now, cache_on=p)
-            p.add_seq(Seq(req, s.prompt_tokens + 1, job.num_blocks, relay=False))
+            p.add_seq(Seq(req, s.prompt_tokens + 1, job.num_blocks, relay=False, shared=job.shared))
             return []
         d = req.decision
         req.prefill_done_s = now
-        req.p_blocks = job.num_blocks
+        req.p_blocks, req.p_shared = job.num_blocks, job.shared
         full = self._facts(req).missing_kv_bytes(0)
 
         def send(t: float) -> list[Event]:
@@ -288,217 +299,6 @@ class Cluster:
             p.wait_boundaries(1, send)     # the KV manifest is read after P's next step
             return []
         return send(now)
-
-    # --- transfers ----------------------------------------------------------
-    def _transfer(self, req: SimRequest, kind: str, src: SimInstance, dst: SimInstance,
-                  num_bytes: int, now: float) -> list[Event]:
-        name = self._link_name(src.datacenter, dst.datacenter)
-        link = self.links[name]
-        flow_id = f"{req.spec.request_id}/{kind}"
-        self.flows[flow_id] = (req, kind, dst.instance_id, now, num_bytes, name)
-        self.flow_steps[flow_id] = dst.num_steps
-        req.pending_transfers += 1
-        if kind == "md":
-            req.wan_flow = flow_id
-
-        def join(t: float) -> list[Event]:
-            if flow_id not in self.flows:
-                return []       # cancelled during the handshake
-            nxt = link.add(t, flow_id, num_bytes)
-            return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
-        return [self._later(link.rtt_s, name, join)]
-
-    def _on_transfer_done(self, ev: Event) -> list[Event]:
-        link = self.links[ev.key]
-        done, nxt = link.complete(ev.time, ev.data)
-        evs = [Event(nxt[0], EventKind.TRANSFER_DONE, ev.key, nxt[1])] if nxt else []
-        for flow in done:
-            dst = self.instances[self.flows[flow.flow_id][2]]
-            landed = self._landed(flow.flow_id, ev.key)
-            started = self.flow_steps.get(flow.flow_id, dst.num_steps)
-            if self.import_wait and dst.busy:
-                # One import command per block (plus BEGIN), one per step of a
-                # busy receiver; those that ran while bytes flowed are done.
-                blocks = -(-flow.num_bytes // (self.block_size * self.model.kv_bytes_per_token))
-                dst.wait_boundaries(max(1, int(blocks) + 1 - (dst.num_steps - started)), landed)
-                t = dst.interrupt(ev.time)
-                if t is not None:
-                    evs.append(Event(t, EventKind.STEP_END, dst.instance_id, dst.version))
-            else:
-                evs += landed(ev.time)
-        return evs
-
-    def _landed(self, flow_id: str, link_name: str):
-        """The receiver holds the whole KV: the transfer's end, as the sender sees it."""
-        def fn(now: float) -> list[Event]:
-            if flow_id not in self.flows:
-                return []       # cancelled while its blocks were being imported
-            req, kind, dst_id, start, num_bytes, _ = self.flows.pop(flow_id)
-            self.flow_steps.pop(flow_id, None)
-            self.estimators[link_name].observe(now, num_bytes, now - start)
-            if link_name == "wan":
-                req.wan_bytes += num_bytes
-            evs = self._release_p(req, now)
-            dst = self.instances[dst_id]
-            return evs + (self._rld_kv_ready(req, dst, now) if kind == "rld"
-                          else self._md_kv_ready(req, dst, now))
-        return fn
-
-    def _cancel(self, req: SimRequest, now: float) -> list[Event]:
-        fid = req.wan_flow
-        if fid is None or fid not in self.flows:
-            return []
-        name = self.flows.pop(fid)[5]
-        nxt = self.links[name].cancel(now, fid)
-        evs = [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
-        return evs + self._release_p(req, now)
-
-    def _release_p(self, req: SimRequest, now: float) -> list[Event]:
-        req.pending_transfers -= 1
-        if req.pending_transfers:
-            return []
-        p = self.instances[req.p_id]
-        p.release(req.p_blocks)
-        return self._kick(p, now)
-
-    # --- decoders -----------------------------------------------------------
-    def _rld_kv_ready(self, req: SimRequest, rld: SimInstance, now: float) -> list[Event]:
-        if req.done_s is not None:
-            return []
-        req.emit([now], relay=True, delay_s=rld.deliver_s)
-        if req.finished:
-            return self._end_on_rld(req, now)
-        s = req.spec
-        req.rld_seq = Seq(req, s.prompt_tokens + 1, rld.blocks_for(s.prompt_tokens + s.max_tokens),
-                          relay=True)
-        rld.add_seq(req.rld_seq)
-        evs = self._kick(rld, now)
-        if req.md_ready_pending is not None:
-            fn, req.md_ready_pending = req.md_ready_pending, None
-            return evs + self._deliver(rld, now, fn)
-        return evs + self._maybe_cancel(req, rld, now)
-
-    def _maybe_cancel(self, req: SimRequest, rld: SimInstance, now: float) -> list[Event]:
-        """The live filter, as the router runs it while RLD streams eager tokens."""
-        if req.session is not None or req.done_s is not None or req.wan_flow not in self.flows:
-            return []
-        remaining = max(0.0, req.decision.est_wan_s - (now - req.prefill_done_s))
-        tpot = rld.step_time_s or self.cfg.rld_tpot_prior_s
-        if should_cancel_wan(now, req.spec.max_tokens - req.num_generated, remaining, tpot, self.cfg):
-            req.pipeline = "relay_cancelled"
-            return self._cancel(req, now)
-        return []
-
-    def _md_kv_ready(self, req: SimRequest, md: SimInstance, now: float) -> list[Event]:
-        s = req.spec
-        if md.cache is not None:
-            md.cache.insert(s.block_ids)     # DRC keeps the prefix, whatever happens next
-        if req.done_s is not None:
-            return []
-        blocks = md.blocks_for(s.prompt_tokens + s.max_tokens)
-        if req.decision.pipeline is Pipeline.DIRECT:
-            req.emit([now], relay=False, delay_s=md.deliver_s)
-            if req.finished:
-                return self._finish(req, now, cache_on=md)
-            req.md_seq = Seq(req, s.prompt_tokens + 1, blocks, relay=False)
-        else:
-            req.md_seq = Seq(req, s.prompt_tokens, blocks, relay=False, decoding=False)
-        md.add_seq(req.md_seq)
-        return self._kick(md, now)
-
-    def _md_ready(self, md: SimInstance, seq: Seq, now: float) -> list[Event]:
-        req = seq.req
-        rld = self.instances[req.decision.rld_id]
-
-        def at_rld(t: float) -> list[Event]:
-            if req.done_s is not None:
-                md.remove_seq(seq)
-                return self._kick(md, t)
-            if req.rld_seq is None:
-                # MD beat RLD's own copy: as the router does, start the handoff
-                # once RLD has streamed its first token.
-                req.md_ready_pending = at_rld
-                return []
-            mode = choose_handoff_mode(req.num_generated, rld.view(), self.cfg)
-            req.session = HandoffSession(req.spec.request_id, mode, self.cfg)
-            req.handoff_mode = mode.value
-            return self._apply(req, rld, md, req.session.on_md_ready(t, req.num_generated), t)
-        return [self._later(self._one_way(md, rld), rld.instance_id,
-                            lambda t: self._deliver(rld, t, at_rld))]
-
-    def _apply(self, req: SimRequest, rld: SimInstance, md: SimInstance, action, now: float) -> list[Event]:
-        if isinstance(action, Complete):
-            rld.remove_seq(req.rld_seq)
-            return []
-        assert isinstance(action, SendBatch)
-        if action.final:
-            req.rld_seq.stop_at = action.end
-            rld.stop_decoding(req.rld_seq)
-        job = Job(req, JobKind.EXTEND, action.num_tokens, req.spec.prompt_tokens + action.start, 0,
-                  data=action)
-
-        def at_md(t: float) -> list[Event]:
-            if req.done_s is not None:
-                return []
-            if job.num_tokens == 0:
-                return self._on_extend_done(md, job, t)
-            md.add_job(job)
-            return self._kick(md, t)
-        return [self._later(self._one_way(rld, md), md.instance_id, at_md)]
-
-    def _on_extend_done(self, md: SimInstance, job: Job, now: float) -> list[Event]:
-        req, batch = job.req, job.data
-        seq = req.md_seq
-        seq.context += job.num_tokens
-        evs: list[Event] = []
-        if batch.final:
-            md.start_decoding(seq)
-            evs += self._kick(md, now) if job.num_tokens == 0 else []
-        rld = self.instances[req.decision.rld_id]
-
-        def at_rld(t: float) -> list[Event]:
-            sess = req.session
-            if sess.state.terminal or sess.state is HandoffState.AWAITING_MD:
-                return []
-            # RLD's own count: after a final batch MD may already have streamed more.
-            stop = req.rld_seq.stop_at
-            act = sess.on_batch_extended(t, batch.end, req.num_generated if stop is None else stop)
-            return self._apply(req, rld, md, act, t)
-        evs.append(self._later(self._one_way(md, rld), rld.instance_id,
-                               lambda t: self._deliver(rld, t, at_rld)))
-        return evs
-
-    def _on_seq_ended(self, inst: SimInstance, seq: Seq, now: float) -> list[Event]:
-        req = seq.req
-        if not req.finished:
-            return []                        # RLD parked at its final batch
-        if seq.relay:
-            return self._end_on_rld(req, now)
-        return self._finish(req, now, cache_on=inst)
-
-    def _end_on_rld(self, req: SimRequest, now: float) -> list[Event]:
-        req.ended_on_rld = True
-        sess = req.session
-        if sess is not None and sess.state in (HandoffState.AWAITING_MD, HandoffState.EXTENDING):
-            sess.on_rld_finished(now, req.num_generated)
-        evs = self._cancel(req, now)
-        if req.md_seq is not None:
-            md = self.instances[req.decision.md_id]
-            md.remove_seq(req.md_seq)
-            evs += self._kick(md, now)
-        return evs + self._finish(req, now)
-
-    def _finish(self, req: SimRequest, now: float, error: str | None = None,
-                cache_on: SimInstance | None = None) -> list[Event]:
-        req.done_s = now + req.last_delay_s      # when the user saw the end
-        if error is not None:
-            req.failed, req.error = True, error
-        if cache_on is not None and cache_on.cache is not None:
-            cache_on.cache.insert(req.spec.full_block_ids)
-        nxt = self.stream.next_after(req.spec, req.done_s, req.failed)
-        if nxt is None:
-            return []
-        return [self._arrival(n) for n in (nxt if isinstance(nxt, list) else [nxt])]
 
 
 def _bytes(gbps: float | None) -> float | None:

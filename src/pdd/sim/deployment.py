@@ -17,10 +17,12 @@ core pinning and price; the links' bandwidth, latency, jitter and price; the
   capped at the KV rate P measured in the bench run (metrics/*.prom): the
   sender, receiver and relay share the two cores with the engines, and a
   200 Mbit/s line carried ~10-13 MB/s per transfer in our runs;
-  the server's engine calls wait for step boundaries: P reads a prompt's KV
-  manifest (and starts sending) only after its next step; optionally a busy
-  receiver imports one KV block per step of its own (`import_per_step`, off:
-  the measured runs do not support it);
+  the server's engine calls wait for step boundaries: a busy receiver puts
+  the arriving blocks into its pool in batches, one engine command per step,
+  so the KV is usable only after the step under way when the last byte
+  lands (`import_wait="batch"`; "block": one block per step, as the server
+  did before batching; "none"); optionally (`manifest_after_step`, as the
+  server did before) P starts sending only after its next step;
 * serving overheads around the engines (`ServingOverheads`): the router's
   own latency, each streamed token's trip to the user, prefix-match round
   trips in PDD, and instances pinned to one core sharing it.
@@ -49,8 +51,8 @@ class RuntimeOptions:
     loopback_one_way_ms: float = 0.1
     request_s: float = 0.010            # router: parse, tokenize, open the streams
     token_s: float = 0.003              # instance NDJSON -> router SSE -> client, per token
-    manifest_after_step: bool = True    # P reads the KV manifest after its next step (as the server does)
-    import_per_step: bool = False       # a busy receiver imports one block per step (tried: see docs)
+    manifest_after_step: bool = False   # P reads the KV manifest only after its next step (the server did until it read it at once)
+    import_wait: str = "batch"          # none | batch (as the server: lands at the receiver's next step boundary) | block
     measured_wan_rate: bool = False     # cap one WAN transfer at the KV rate P measured (tried: see docs)
 
 
@@ -122,7 +124,7 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
     match = DeployRole.MAIN in roles or (DeployRole.COLOCATED in roles and len(spec.instances) > 1)
     serving = ServingOverheads(spec.router_datacenter, opts.request_s, opts.token_s, match,
                                manifest_after_step=opts.manifest_after_step,
-                               import_per_step=opts.import_per_step)
+                               import_wait=opts.import_wait)
     return ModeSpec(name or spec.name, tuple(pools), PolicyConfig.from_dict(spec.policy), rdma,
                     wan, serving)
 

@@ -10,8 +10,11 @@ one *macro step* (up to `max_macro_steps`), which a new piece of work
 truncates at the next step boundary, so the result equals step-by-step
 simulation while the event count drops by that factor.
 
-KV memory is counted in blocks; free blocks double as the prefix cache
-(capacity = free blocks, LRU), like a paged-KV engine's evictable blocks.
+KV memory is counted in blocks, like a paged-KV engine's: a request's
+prompt blocks that the prefix cache holds are *shared* with it (pinned,
+counted once), its other blocks are private; the cache may use whatever no
+request holds privately (capacity = blocks - private), and its unpinned
+blocks are free for the taking (LRU eviction).
 """
 
 from __future__ import annotations
@@ -33,26 +36,32 @@ class JobKind(Enum):
 
 
 class Job:
-    __slots__ = ("req", "kind", "num_tokens", "done", "ctx_start", "num_blocks", "started", "data")
+    __slots__ = ("req", "kind", "num_tokens", "done", "ctx_start", "num_blocks", "started", "data",
+                 "shared")
 
     def __init__(self, req: SimRequest, kind: JobKind, num_tokens: int, ctx_start: int,
                  num_blocks: int, data=None) -> None:
         self.req, self.kind, self.num_tokens = req, kind, num_tokens
+        # num_blocks: all the job needs; once started, only its private part
+        # (shared prompt blocks are pinned in the cache, listed in `shared`).
         self.done, self.ctx_start, self.num_blocks = 0, ctx_start, num_blocks
         self.started = num_blocks == 0
         self.data = data
+        self.shared: list[int] = []
 
 
 class Seq:
     """A request's decoding presence on an instance."""
 
-    __slots__ = ("req", "context", "stop_at", "decoding", "num_blocks", "relay")
+    __slots__ = ("req", "context", "stop_at", "decoding", "num_blocks", "relay", "shared")
 
     def __init__(self, req: SimRequest, context: int, num_blocks: int, relay: bool,
-                 decoding: bool = True) -> None:
+                 decoding: bool = True, shared: list[int] | None = None) -> None:
+        # num_blocks: private blocks; `shared`: cached blocks pinned for it.
         self.req, self.context, self.num_blocks = req, context, num_blocks
         self.relay, self.decoding = relay, decoding
         self.stop_at: int | None = None
+        self.shared = shared or []
 
     def tokens_left(self) -> int:
         limit = self.req.spec.output_tokens
@@ -106,21 +115,40 @@ class SimInstance:
     # --- memory -------------------------------------------------------------
     @property
     def free_blocks(self) -> int:
-        return self.kv_blocks - self.used_blocks
+        """Blocks a new allocation may take: neither private nor pinned."""
+        pinned = self.cache.num_pinned if self.cache is not None else 0
+        return self.kv_blocks - self.used_blocks - pinned
 
     def allocate(self, n: int) -> bool:
         if n > self.free_blocks:
             return False
         self.used_blocks += n
         if self.cache is not None:
-            self.cache.set_capacity(self.free_blocks)
+            self.cache.set_capacity(self.kv_blocks - self.used_blocks)
         return True
 
     def release(self, n: int) -> None:
         self.used_blocks -= n
         assert self.used_blocks >= 0, self.instance_id
         if self.cache is not None:
-            self.cache.set_capacity(self.free_blocks)
+            self.cache.set_capacity(self.kv_blocks - self.used_blocks)
+
+    def share(self, block_ids, num_private: int) -> list[int] | None:
+        """Pin the cached leading run of `block_ids` and allocate `num_private`
+        minus that run privately; None (nothing taken) when memory is short."""
+        if self.cache is None:
+            return [] if self.allocate(num_private) else None
+        ids = list(block_ids[: self.cache.match(block_ids)])
+        private = max(num_private - len(ids), 0)
+        if private + self.cache.num_unpinned(ids) > self.free_blocks:
+            return None
+        self.cache.pin(ids)
+        self.allocate(private)
+        return ids
+
+    def unshare(self, ids: list[int]) -> None:
+        if ids and self.cache is not None:
+            self.cache.unpin(ids)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -163,12 +191,8 @@ class SimInstance:
         for job in self.jobs:
             if budget <= 0:
                 break
-            if not job.started:
-                if not self.allocate(job.num_blocks):
-                    break   # head-of-line: FCFS, no overtaking
-                job.started = True
-                if job.kind is JobKind.PREFILL and self.cache is not None:
-                    self._rematch(job)
+            if not job.started and not self._start_job(job):
+                break   # head-of-line: FCFS, no overtaking
             c = min(job.num_tokens - job.done, budget)
             start = job.ctx_start + job.done
             chunks.append((job, c))
@@ -197,6 +221,20 @@ class SimInstance:
         self.busy = True
         self.version += 1
         return times[-1]
+
+    def _start_job(self, job: Job) -> bool:
+        if job.kind is JobKind.PREFILL and self.cache is not None:
+            self._rematch(job)
+            ids = job.req.spec.block_ids[: job.ctx_start // self.block_size]
+            shared = self.share(ids, job.num_blocks)
+            if shared is None:
+                return False
+            job.num_blocks -= len(shared)
+            job.shared = shared
+        elif not self.allocate(job.num_blocks):
+            return False
+        job.started = True
+        return True
 
     def _rematch(self, job: Job) -> None:
         """At admission the cache may hold more of the prompt than at routing
@@ -243,12 +281,22 @@ class SimInstance:
         self.num_steps += k
         self.busy_s += now - self._start
         for job, c in self._chunks:
+            before = (job.ctx_start + job.done) // self.block_size
             job.done += c
             if job.done >= job.num_tokens:
                 out.jobs_done.append(job)
             if job.kind is JobKind.PREFILL and self.cache is not None:
-                # Blocks count as cached once computed, as in a paged engine.
-                self.cache.insert(job.req.spec.block_ids[: (job.ctx_start + job.done) // self.block_size])
+                # Blocks count as cached once computed, as in a paged engine:
+                # the job's private blocks become shared ones.
+                full = (job.ctx_start + job.done) // self.block_size
+                ids = job.req.spec.block_ids
+                self.cache.insert(ids[:full])
+                new = [b for b in ids[before:full] if b in self.cache]
+                moved = min(len(new), job.num_blocks)
+                self.cache.pin(new[:moved])
+                job.shared += new[:moved]
+                job.num_blocks -= moved
+                self.release(moved)
         if out.jobs_done:
             done = set(map(id, out.jobs_done))
             self.jobs = deque(j for j in self.jobs if id(j) not in done)
@@ -295,9 +343,12 @@ class SimInstance:
             if seq in pool:
                 pool.remove(seq)
                 self.release(seq.num_blocks)
-                return
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+                break
+        else:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+        self.unshare(seq.shared)
+        seq.shared = []
 
     def stop_decoding(self, seq: Seq) -> None:
         """Keep `seq` resident but out of the batch (RLD after its final handoff batch)."""

@@ -132,7 +132,7 @@ def _plan_runtime(args, counts, wans):
     spec = load_spec(args.config[0])
     wl = build_workload(args)
     sla = Sla(args.sla_ttft or DEFAULT_SLA_TTFT_S, args.sla_tpot or DEFAULT_SLA_TPOT_S)
-    cal = CpuCalibration.load(args.calibration) if args.calibration else None
+    cal = CpuCalibration.read(args.calibration) if args.calibration else None
     cands = list(runtime_candidates(spec, counts, wans))
     if len(cands) > MAX_CANDIDATES:
         print(f"pdd plan: {len(cands)} candidates; narrow the grid (at most {MAX_CANDIDATES})")

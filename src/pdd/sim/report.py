@@ -122,6 +122,7 @@ def run_bathtub(sc: Scenario, duration_s: float, hits: list[float]) -> dict:
         for h in hits:
             e, recs, _ = run_mode(fixed_hit(sc, h, duration_s), mode)
             rows.append({"nominal_hit": h, "hit": e["prefix_hit_rate"], "bcr": e["bcr"],
+                         "revenue_bcr": e["revenue_bcr"],
                          "goodput_rps": e["goodput_rps"], "sla": e["sla_attainment"],
                          "prefill_tok_per_busy_s": prefill_efficiency(e, recs, SLICE["prefill"])})
         out[label] = rows

@@ -83,11 +83,16 @@ def cost_table(path: Path, entries: dict) -> None:
 
 def bathtub(path: Path, data: dict) -> None:
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for label, rows in data.items():
         xs = [r["nominal_hit"] for r in rows]
         axes[0].plot(xs, [r["bcr"] * 1e3 for r in rows], marker=".", label=label)
         axes[1].plot(xs, [r["prefill_tok_per_busy_s"] for r in rows], marker=".", label=label)
+        if all("revenue_bcr" in r for r in rows):
+            axes[2].plot(xs, [r["revenue_bcr"] for r in rows], marker=".", label=label)
+    axes[2].set_xlabel("prefix-hit rate of a later turn (nominal)")
+    axes[2].set_ylabel("SLA revenue per hardware cost")
+    axes[2].set_title("revenue BCR (cached input billed at 25%)")
     axes[0].set_xlabel("prefix-hit rate of a later turn (nominal; realised is lower: cold first turns, eviction)")
     axes[0].set_ylabel("BCR (SLA goodput per cost/h, x1e-3)")
     axes[0].set_title("BCR vs hit rate")
@@ -212,6 +217,9 @@ def markdown(data: dict) -> str:
                      f"{rows[-1]['bcr'] * 1e3:.1f} at {rows[-1]['nominal_hit']:.0%} (realised "
                      f"{rows[-1]['hit']:.0%}); P efficiency valley {dip['prefill_tok_per_busy_s']:.0f} tok/s "
                      f"at nominal hit {dip['nominal_hit']:.1%} (BCR x1e3 there {dip['bcr'] * 1e3:.1f})")
+        if all("revenue_bcr" in r for r in rows):
+            curve = ", ".join(f"{r['nominal_hit']:.0%}: {r['revenue_bcr']:.2f}" for r in rows)
+            lines.append(f"  revenue BCR by nominal hit: {curve}")
     lines += ["", "## WAN bandwidth needed vs hit rate (wan_vs_hit.png)", ""]
     w, wo = data["wan"].get("with DRC", []), data["wan"].get("without DRC", [])
     for a, b in zip(w, wo):

@@ -93,7 +93,7 @@ class ServingOverheads:
     in PDD, asks P and MD for their cached prefixes (one round trip to the
     farthest). Steps of instances pinned to one core time-slice that core.
     KV calls may wait for engine step boundaries (`manifest_after_step`,
-    `import_per_step`).
+    `import_wait`).
     """
 
     router_datacenter: str = "a"
@@ -102,9 +102,16 @@ class ServingOverheads:
     match_round_trip: bool = False
     # The server runs engine calls as commands between two engine steps:
     # P reads a prompt's KV manifest (and starts sending) after its next step;
-    # with `import_per_step` a busy receiver also imports one block per step.
+    # arriving KV blocks go into a busy receiver's pool between its steps:
+    # "batch" (all that arrived, one command per step: the KV is usable after
+    # the step under way when the last byte lands), "block" (one block per
+    # step), "none".
     manifest_after_step: bool = False
-    import_per_step: bool = False
+    import_wait: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.import_wait not in ("none", "batch", "block"):
+            raise ValueError(f"import_wait must be none, batch or block, got {self.import_wait!r}")
 
 
 @dataclass(frozen=True)

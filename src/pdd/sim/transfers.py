@@ -1,0 +1,95 @@
+"""KV transfers of the simulated cluster: flows on shared links, landing, cancel.
+
+A mixin of `pdd.sim.cluster.Cluster` (it uses the cluster's instances, links,
+estimators and event loop). A flow joins its link after one handshake RTT;
+when it lands the receiver holds the whole KV (optionally only after the
+receiver's next steps, as a busy server imports blocks between steps), the
+WAN estimator is fed the transfer as the router's is fed the real ones, and
+P frees the prompt's blocks once every transfer out of it has ended.
+"""
+
+from __future__ import annotations
+
+from pdd.sim.instance import SimInstance
+from pdd.sim.loop import Event, EventKind
+from pdd.sim.request import SimRequest
+
+
+class TransfersMixin:
+    def _transfer(self, req: SimRequest, kind: str, src: SimInstance, dst: SimInstance,
+                  num_bytes: int, now: float) -> list[Event]:
+        name = self._link_name(src.datacenter, dst.datacenter)
+        link = self.links[name]
+        flow_id = f"{req.spec.request_id}/{kind}"
+        self.flows[flow_id] = (req, kind, dst.instance_id, now, num_bytes, name)
+        self.flow_steps[flow_id] = dst.num_steps
+        req.pending_transfers += 1
+        if kind == "md":
+            req.wan_flow = flow_id
+
+        def join(t: float) -> list[Event]:
+            if flow_id not in self.flows:
+                return []       # cancelled during the handshake
+            nxt = link.add(t, flow_id, num_bytes)
+            return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
+        return [self._later(link.rtt_s, name, join)]
+
+    def _on_transfer_done(self, ev: Event) -> list[Event]:
+        link = self.links[ev.key]
+        done, nxt = link.complete(ev.time, ev.data)
+        evs = [Event(nxt[0], EventKind.TRANSFER_DONE, ev.key, nxt[1])] if nxt else []
+        for flow in done:
+            dst = self.instances[self.flows[flow.flow_id][2]]
+            landed = self._landed(flow.flow_id, ev.key)
+            started = self.flow_steps.get(flow.flow_id, dst.num_steps)
+            if self.import_wait != "none" and dst.busy:
+                if self.import_wait == "batch":
+                    # The last batch goes in at the end of the step under way.
+                    waits = 1
+                else:
+                    # One import command per block (plus BEGIN), one per step of a
+                    # busy receiver; those that ran while bytes flowed are done.
+                    blocks = -(-flow.num_bytes // (self.block_size * self.model.kv_bytes_per_token))
+                    waits = max(1, int(blocks) + 1 - (dst.num_steps - started))
+                dst.wait_boundaries(waits, landed)
+                t = dst.interrupt(ev.time)
+                if t is not None:
+                    evs.append(Event(t, EventKind.STEP_END, dst.instance_id, dst.version))
+            else:
+                evs += landed(ev.time)
+        return evs
+
+    def _landed(self, flow_id: str, link_name: str):
+        """The receiver holds the whole KV: the transfer's end, as the sender sees it."""
+        def fn(now: float) -> list[Event]:
+            if flow_id not in self.flows:
+                return []       # cancelled while its blocks were being imported
+            req, kind, dst_id, start, num_bytes, _ = self.flows.pop(flow_id)
+            self.flow_steps.pop(flow_id, None)
+            self.estimators[link_name].observe(now, num_bytes, now - start)
+            if link_name == "wan":
+                req.wan_bytes += num_bytes
+            evs = self._release_p(req, now)
+            dst = self.instances[dst_id]
+            return evs + (self._rld_kv_ready(req, dst, now) if kind == "rld"
+                          else self._md_kv_ready(req, dst, now))
+        return fn
+
+    def _cancel(self, req: SimRequest, now: float) -> list[Event]:
+        fid = req.wan_flow
+        if fid is None or fid not in self.flows:
+            return []
+        name = self.flows.pop(fid)[5]
+        nxt = self.links[name].cancel(now, fid)
+        evs = [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
+        return evs + self._release_p(req, now)
+
+    def _release_p(self, req: SimRequest, now: float) -> list[Event]:
+        req.pending_transfers -= 1
+        if req.pending_transfers:
+            return []
+        p = self.instances[req.p_id]
+        p.release(req.p_blocks)
+        p.unshare(req.p_shared)
+        req.p_shared = []
+        return self._kick(p, now)
