@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -151,6 +152,39 @@ def test_wan_cut_mid_transfer_finishes_on_rld(auto, reference, smollm2_dir):
     assert text == tok.decode(reference(p, 120))
     assert set(tr["token_sources"]) == {"rld"} and tr["pipeline"] == "relay"
     assert event(tr, "md_dropped") is not None
+
+
+def test_filtered_calls_sharing_a_hot_prefix_warm_md(auto, reference, smollm2_dir):
+    """Classify-style calls: 256 shared instruction tokens + a fresh document,
+    2 output tokens. All stay off the WAN, but once P has seen the prefix
+    reused twice, the filtered call still pushes those 16 blocks to MD, so the
+    next request with that prefix sends only its own new blocks."""
+    tok = Tokenizer(smollm2_dir)
+    shared = ids(20, 256)
+    traces = []
+    for k in range(4):
+        p = shared + ids(30 + k, 300)
+        text, tr = run(auto, p, 2)
+        assert text == tok.decode(reference(p, 2))
+        traces.append(tr)
+    assert [t["pipeline"] for t in traces] == ["relay_only"] * 4, [t["pipeline_reason"] for t in traces]
+    assert [event(t, "warm_md") is not None for t in traces] == [False, False, False, True]
+    rid, deadline = traces[3]["request_id"], time.monotonic() + 60
+    while time.monotonic() < deadline:          # the push outlives the 2-token answer
+        with urllib.request.urlopen(f"{auto.router_url}/requests/{rid}/trace", timeout=30) as f:
+            tr = json.loads(f.read())
+        if event(tr, "kv_transfer") is not None:
+            break
+        time.sleep(0.5)
+    moved = event(tr, "kv_transfer")
+    assert moved is not None and moved["ok"], tr["events"]
+    assert tr["wan_bytes"] == 16 * 16 * KV_BYTES_PER_TOKEN
+    follow = shared + ids(40, 40)
+    text, tr = run(auto, follow, 100)
+    assert text == tok.decode(reference(follow, 100))
+    # MD already had the prefix: only the 2 new full blocks crossed (the partial
+    # last block is recomputed by the receiver).
+    assert tr["wan_bytes"] == 2 * 16 * KV_BYTES_PER_TOKEN
 
 
 @pytest.mark.parametrize("mode", ["catch_up", "one_shot"])

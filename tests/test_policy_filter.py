@@ -1,7 +1,8 @@
 import pytest
 
 from pdd.policy import (
-    PolicyConfig, RequestFacts, predict_abnormal, should_cancel_wan, warm_tokens_after_cancel,
+    PolicyConfig, PrefixReuseCounter, RequestFacts, predict_abnormal, should_cancel_wan,
+    warm_after_skip, warm_tokens_after_cancel,
 )
 
 CFG = PolicyConfig()
@@ -41,3 +42,22 @@ def test_warming_only_hot_shared_prefixes_block_aligned():
     assert warm_tokens_after_cancel(1000, 0, 16, CFG) == 0
     assert warm_tokens_after_cancel(1000, 2, 16, CFG) == 992
     assert warm_tokens_after_cancel(1000, 5, 16, PolicyConfig(enable_drc=False)) == 0
+
+
+def test_warm_after_skip_sends_only_what_md_lacks():
+    # P held 520 tokens of this prompt (32 whole blocks), seen reused twice before.
+    assert warm_after_skip(520, 0, 2, 16, CFG) == 512
+    assert warm_after_skip(520, 300, 2, 16, CFG) == 512        # MD holds 18 blocks: send all 32
+    assert warm_after_skip(520, 512, 2, 16, CFG) == 0          # MD has it already
+    assert warm_after_skip(520, 0, 1, 16, CFG) == 0            # not hot yet
+    assert warm_after_skip(520, 0, 5, 16, PolicyConfig(enable_drc=False)) == 0
+
+
+def test_prefix_reuse_counter_counts_earlier_requests_and_forgets_lru():
+    c = PrefixReuseCounter(capacity=2)
+    assert [c.seen("sys"), c.seen("sys"), c.seen("sys")] == [0, 1, 2]
+    c.seen("a")
+    c.seen("b")                     # evicts "sys", the least recently seen
+    assert c.seen("sys") == 0
+    with pytest.raises(ValueError):
+        PrefixReuseCounter(capacity=0)

@@ -57,9 +57,9 @@ def test_slow_wan_turns_high_hit_into_relay():
 
 
 def test_relay_needs_a_real_head_start_over_the_local_link():
-    # A CPU-like deployment: a 2K-token follow-up lacks
-    # 6 blocks on MD (~0.9 s over a slow, overhead-laden WAN), while the whole
-    # prompt reaches RLD in ~0.75 s (the receiver's step wait dominates both).
+    # A CPU-like deployment: a 2K-token follow-up lacks 6 blocks on MD (~0.9 s
+    # over a slow, overhead-laden WAN), while the whole prompt would reach an
+    # RLD that holds none of it in ~0.75 s (the receiver's step wait dominates both).
     wan = LinkEstimate(throughput_bytes_s=20e6, rtt_s=0.05, overhead_s=0.6)
     local = LinkEstimate(throughput_bytes_s=400e6, rtt_s=2e-4, overhead_s=0.5)
     r = RequestFacts("r1", 2048, 256, 46_080, 16)
@@ -73,6 +73,10 @@ def test_relay_needs_a_real_head_start_over_the_local_link():
     assert choose_pipeline(r, cold, CFG).pipeline is Pipeline.RELAY
     # Without a local estimate the rule is off.
     assert choose_pipeline(r, base, CFG).pipeline is Pipeline.RELAY
+    # An RLD that holds the prefix too needs only the same 6 blocks, locally: relay.
+    warm_rld = ClusterView(base.instances, dict(base.matched_tokens) | {"r0": 2048 - 6 * 16}, wan,
+                           10.0, local=local)
+    assert choose_pipeline(r, warm_rld, CFG).pipeline is Pipeline.RELAY
 
 
 def test_without_drc_md_cache_is_ignored():

@@ -253,3 +253,24 @@ def test_single_chunk_packing_runs_tail_chunks_alone():
         assert e["prefix_hit_rate"] == pytest.approx(0.5 * 3 / 4, abs=0.06)
         steps[packing] = sum(p["steps"] for p in e["sim"]["pools"].values())
     assert steps["single"] > steps["packed"]
+
+
+def test_filtered_requests_with_a_hot_shared_prefix_warm_md():
+    """Long-input / 2-token calls sharing 256 instruction tokens: the WAN stays
+    free for the first ones; once P has seen the prefix reused twice, the
+    filtered request still pushes those 16 blocks to MD, and a later normal
+    request with that prefix finds them there."""
+    shared = ids(500, 256)
+    reqs = [WorkloadRequest(f"a{k}", 8.0 * k, shared + ids(600 + k, 400), 2) for k in range(4)]
+    reqs.append(WorkloadRequest("n0", 40.0, shared + ids(700, 40), 64))
+    wl = Workload("warm", reqs, {"kind": "test"}, 16)
+    entry, records, _ = run_runtime_mode(RuntimeMode("pdd", str(EXAMPLES / "pdd.toml")), wl,
+                                         Sla(3.0, 0.25))
+    by_id = {r.request_id: r for r in records}
+    assert [by_id[f"a{k}"].pipeline for k in range(4)] == ["relay_filtered"] * 4
+    kv_block = 16 * 46080
+    assert [by_id[f"a{k}"].wan_bytes for k in range(4)] == [0, 0, 0, 16 * kv_block]
+    # MD held the shared prefix: only the follow-up's own 3 blocks (40 tokens,
+    # the partial one whole) crossed the WAN, straight to MD.
+    n0 = by_id["n0"]
+    assert n0.pipeline == "direct" and n0.wan_bytes == 3 * kv_block

@@ -51,6 +51,12 @@ class KVManifest:
     def to_meta(self) -> dict:
         return {"layout": asdict(self.layout), "token_ids": list(self.token_ids)}
 
+    def prefix(self, num_blocks: int) -> "KVManifest":
+        """The manifest of the first `num_blocks` blocks (a cached prefix on its own)."""
+        n = max(0, min(num_blocks, len(self.block_hashes)))
+        bs = self.layout.block_size
+        return KVManifest(self.layout, self.token_ids[: n * bs], self.block_hashes[:n])
+
     @classmethod
     def from_meta(cls, meta: dict, block_hashes: list[bytes]) -> "KVManifest":
         try:

@@ -5,7 +5,9 @@ dataclasses, `now` in seconds), decisions out.
 """
 
 from pdd.policy.config import HandoffOverride, PolicyConfig
-from pdd.policy.filter import predict_abnormal, should_cancel_wan, warm_tokens_after_cancel
+from pdd.policy.filter import (
+    PrefixReuseCounter, predict_abnormal, should_cancel_wan, warm_after_skip, warm_tokens_after_cancel,
+)
 from pdd.policy.handoff import (
     Abandon, Complete, HandoffAction, HandoffError, HandoffMode, HandoffSession, HandoffState,
     SendBatch, choose_handoff_mode, new_session,
@@ -19,7 +21,7 @@ __all__ = [
     "Abandon", "ClusterView", "Complete", "EstimatorConfig", "HandoffAction", "HandoffError",
     "HandoffMode", "HandoffOverride", "HandoffSession", "HandoffState", "InstanceView",
     "LinkEstimate", "LinkEstimator", "NoRouteError", "Pipeline", "PipelineDecision",
-    "PolicyConfig", "RequestFacts", "Role", "SendBatch", "choose_handoff_mode",
+    "PolicyConfig", "PrefixReuseCounter", "RequestFacts", "Role", "SendBatch", "choose_handoff_mode",
     "choose_pipeline", "new_session", "pick_instance", "predict_abnormal", "score_instance",
-    "should_cancel_wan", "warm_tokens_after_cancel",
+    "should_cancel_wan", "warm_after_skip", "warm_tokens_after_cancel",
 ]

@@ -21,6 +21,9 @@ block-aligned part in the background pays off.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Hashable
+
 from pdd.policy.config import PolicyConfig
 from pdd.policy.views import RequestFacts
 
@@ -66,3 +69,39 @@ def warm_tokens_after_cancel(num_shared_prefix_tokens: int, num_prefix_reuses: i
     if not cfg.enable_drc or num_prefix_reuses < cfg.warm_min_prefix_reuses:
         return 0
     return num_shared_prefix_tokens // block_size * block_size
+
+
+def warm_after_skip(p_matched_tokens: int, md_matched_tokens: int, num_prefix_reuses: int,
+                    block_size: int, cfg: PolicyConfig) -> int:
+    """Tokens of a request kept off the WAN (RELAY_ONLY) to push to MD anyway.
+
+    Only the hot shared prefix (`warm_tokens_after_cancel`), and only what MD
+    does not already hold; 0 means nothing to send. A transfer cancelled
+    mid-flight needs no such step: blocks travel in order, so the prefix it
+    carried is already in MD's cache.
+    """
+    warm = warm_tokens_after_cancel(p_matched_tokens, num_prefix_reuses, block_size, cfg)
+    held = max(md_matched_tokens, 0) // block_size * block_size
+    return warm if warm > held else 0
+
+
+class PrefixReuseCounter:
+    """How many requests have arrived with each shared prefix (bounded, LRU).
+
+    Keys are whatever identifies a block-aligned prefix to the caller (a hash
+    of its token ids in the router, a chained block id in the simulator).
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be > 0")
+        self.capacity = capacity
+        self._counts: OrderedDict[Hashable, int] = OrderedDict()
+
+    def seen(self, key: Hashable) -> int:
+        """Count one more request with this prefix; return how many came before it."""
+        before = self._counts.pop(key, 0)
+        self._counts[key] = before + 1
+        while len(self._counts) > self.capacity:
+            self._counts.popitem(last=False)
+        return before

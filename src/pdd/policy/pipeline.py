@@ -13,11 +13,10 @@ Decision order, over one ClusterView snapshot:
    RELAY_ONLY, no WAN transfer.
 6. est_wan_s <= direct_max_wan_s -> DIRECT: MD holds the KV about as soon
    as an RLD could have mattered. Also DIRECT when the local link is
-   measured and RLD would hold the *whole* prompt KV less than
-   relay_min_gain_s before MD holds what it lacks: a high-hit request's few
-   new blocks cross the WAN about as fast as the full prompt reaches RLD
-   (both wait for the receiver's next engine step), so a relay would add
-   RLD's work and a handoff for no earlier token.
+   measured and RLD would hold the prompt KV (what its own prefix cache
+   lacks) less than relay_min_gain_s before MD holds what *it* lacks: then
+   a relay would add RLD's work and a handoff for no earlier token (a
+   high-hit request whose RLD has nothing cached, say).
 7. Otherwise RELAY with the least-loaded RLD that has room; none -> DIRECT.
 
 There is deliberately no plain P->RLD pipeline for low-hit requests: low-hit
@@ -112,8 +111,9 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) 
     if est <= cfg.direct_max_wan_s:
         return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est,
                                 f"wan {est:.3f}s <= {cfg.direct_max_wan_s}s")
-    if cluster.local is not None and cluster.local.usable:
-        local = cluster.local.transfer_s(req.missing_kv_bytes(0))
+    if cluster.local is not None and cluster.local.usable and rld is not None:
+        # What RLD lacks crosses the local link (its prefix cache skips the rest).
+        local = cluster.local.transfer_s(req.missing_kv_bytes(cluster.matched(rld.instance_id)))
         if est - local < cfg.relay_min_gain_s:
             return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est,
                                     f"relay gains {est - local:.3f}s < {cfg.relay_min_gain_s}s "

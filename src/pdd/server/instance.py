@@ -45,6 +45,7 @@ def bad_request(msg: str, status: int = 400) -> web.Response:
 
 
 MAX_PENDING_BLOCKS = 64
+FLUSH_BLOCKS = 16          # start importing mid-transfer once this many blocks wait
 
 
 @dataclass
@@ -56,6 +57,7 @@ class KVArrival:
     status: TransferStatus | None = None
     pending: list = field(default_factory=list)      # (index, payload) not yet in the pool
     flushing: asyncio.Task | None = None
+    warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
 
 
 class InstanceServer:
@@ -237,6 +239,7 @@ class InstanceServer:
 
     async def on_begin(self, request_id: str, meta: dict, block_hashes: list[bytes]) -> set[int]:
         a = self._arrival(request_id)
+        a.warm = bool(meta.get("warm"))
 
         def begin(e: Engine) -> set[int]:
             a.importer = e.begin_import(meta, block_hashes, pin_for=request_id)
@@ -255,8 +258,10 @@ class InstanceServer:
             raise KVImportError(f"no transfer begun for {request_id}")
         # Blocks go into the pool in batches: one engine-thread call per batch, not
         # per block, so a decoder busy with long steps still imports at line rate.
+        # Each call waits for the engine's next step boundary, so a small
+        # transfer is imported in one call at its END (one wait, not two).
         a.pending.append((index, payload))
-        if a.flushing is None or a.flushing.done():
+        if len(a.pending) >= FLUSH_BLOCKS and (a.flushing is None or a.flushing.done()):
             a.flushing = asyncio.get_running_loop().create_task(self._flush(a))
         if len(a.pending) >= MAX_PENDING_BLOCKS:       # bound what waits in memory
             await asyncio.shield(a.flushing)
@@ -271,13 +276,20 @@ class InstanceServer:
         if a is None:
             return
         import_error = None
-        if a.flushing is not None:
-            try:
-                await a.flushing                  # success means every block is in the pool
-            except Exception as e:
-                import_error = f"importing KV failed: {e}"
+        try:
+            if a.flushing is not None:
+                await a.flushing
+            if a.pending and status.ok:
+                await self._flush(a)              # success means every block is in the pool
+        except Exception as e:
+            import_error = f"importing KV failed: {e}"
         a.status = status
         self.metrics.on_kv_received(status)
+        if a.warm:
+            # The blocks stay in the prefix cache (committed as they landed);
+            # nothing waits for them, so unpin now rather than at expiry.
+            self._drop_arrival(request_id)
+            return
         if not a.done.done():
             if import_error:
                 a.done.set_exception(RuntimeError(import_error))

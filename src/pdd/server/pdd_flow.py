@@ -11,18 +11,21 @@ Lifecycle (the router is the only arbiter of which token the user sees):
       finishes (degraded, not lost). DIRECT (P->MD) whose transfer fails
       before a token -> failover: P sends the KV to an RLD, which decodes.
     filter: RLD finishing first (or predicted to) -> the WAN transfer is
-      cancelled (or never started).
+      cancelled (or never started); a skipped request's hot shared prefix
+      still goes to MD, to warm its cache (policy.warm_after_skip).
 Every decision is taken by pdd.policy objects; this module only moves bytes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import time
 from typing import AsyncIterator
 
 from pdd.policy import (
     Abandon, Complete, HandoffSession, Pipeline, RequestFacts, SendBatch, choose_handoff_mode,
-    choose_pipeline, should_cancel_wan,
+    choose_pipeline, should_cancel_wan, warm_after_skip,
 )
 from pdd.policy.pipeline import rld_tpot_s
 from pdd.server.cluster import Cluster, Member
@@ -52,13 +55,15 @@ class PddRun:
         self.est_wan_s = 0.0
         self.first_token: int | None = None
         self.out: list[int] = []                 # tokens committed by the last event, to yield
+        self.warm: tuple[Member, int] | None = None   # (MD, blocks) of a shared prefix to push
 
     # -- setup ---------------------------------------------------------------
     async def decide(self) -> Pipeline:
         c, ctx = self.cluster, self.ctx
         facts = RequestFacts(ctx.request_id, len(ctx.prompt_ids), ctx.sampling.max_tokens,
                              ctx.kv_bytes_per_token, ctx.block_size)
-        names = [m.spec.name for m in c.members.values() if m.view.role.value in ("prefill", "main")]
+        names = [m.spec.name for m in c.members.values()
+                 if m.view.role.value in ("prefill", "main", "relay")]
         matched = await c.matched_tokens(names, ctx.prompt_ids)
         d = choose_pipeline(facts, c.view(matched, time.monotonic()), c.policy)
         ctx.trace.pipeline, ctx.trace.pipeline_reason = d.pipeline.value, d.reason
@@ -69,7 +74,23 @@ class PddRun:
         self.md = c.members[d.md_id] if d.md_id and d.start_wan else None
         self.est_wan_s = d.est_wan_s
         self.owner = "md" if d.pipeline == Pipeline.DIRECT else "rld"
+        self.plan_warm(d, matched)
         return d.pipeline
+
+    def plan_warm(self, d, matched: dict[str, int]) -> None:
+        """Count this request's shared prefix; a filtered one may still warm MD with it."""
+        ctx, bs = self.ctx, self.ctx.block_size
+        shared = matched.get(d.p_id, 0) // bs * bs
+        if shared == 0:
+            return
+        key = hashlib.blake2b(repr(ctx.prompt_ids[:shared]).encode(), digest_size=16).digest()
+        reuses = self.cluster.prefix_reuses.seen(key)
+        if d.pipeline != Pipeline.RELAY_ONLY or d.md_id is None:
+            return
+        tokens = warm_after_skip(shared, matched.get(d.md_id, 0), reuses, bs, self.cluster.policy)
+        if tokens:
+            self.warm = (self.cluster.members[d.md_id], tokens // bs)
+            ctx.trace.event("warm_md", tokens=tokens, reuses=reuses)
 
     def start(self, pipeline: Pipeline) -> None:
         ctx, t = self.ctx, self.ctx.trace
@@ -88,8 +109,12 @@ class PddRun:
             t.instances["md"] = self.md.spec.name
         t.instances["p"] = self.p.spec.name
         self.transfers = {m.spec.name: None for m in targets}
-        self.streams.open("p", self.p, "/internal/prefill", prefill_body(ctx, self.cluster, self.p, targets),
-                          ctx.remaining_s())
+        body = prefill_body(ctx, self.cluster, self.p, targets)
+        if self.warm is not None:
+            md, blocks = self.warm
+            body["targets"].append(target(self.cluster, self.p, md, ctx) | {"warm_blocks": blocks})
+            self.transfers[md.spec.name] = None
+        self.streams.open("p", self.p, "/internal/prefill", body, ctx.remaining_s())
 
     # -- main loop -------------------------------------------------------------
     async def run(self) -> AsyncIterator[int]:
@@ -109,6 +134,35 @@ class PddRun:
             for m in (self.rld, self.md):
                 if m is not None:
                     self.cluster.dispatched(m.spec.name, -1)
+            if self.warming():
+                # The user has the answer; P keeps the prompt KV (its stream
+                # open) until the shared prefix has reached MD.
+                self.streams.close("rld")
+                asyncio.get_running_loop().create_task(self.finish_warm())
+            else:
+                self.streams.close_all()
+
+    def warming(self) -> bool:
+        return (self.warm is not None and self.transfers.get(self.warm[0].spec.name) is None
+                and "p" in self.streams.tasks and self.first_token is not None)
+
+    async def finish_warm(self) -> None:
+        name = self.warm[0].spec.name
+        try:
+            async with asyncio.timeout(self.cluster.spec.kv_deadline_s):
+                while self.transfers.get(name) is None:
+                    src, ev = await self.streams.queue.get()
+                    if src != "p":
+                        continue
+                    if ev.get("event") == "transfer":
+                        note_transfer(self.ctx, ev, self.cluster)
+                        self.transfers[ev["target"]] = bool(ev.get("ok"))
+                    elif ev.get("event") in ("finished", "closed"):
+                        return
+                await release(self.client, self.p, self.ctx)
+        except Exception as e:  # noqa: BLE001 - best effort: the request is already answered
+            self.ctx.trace.event("warm_md_failed", error=repr(e))
+        finally:
             self.streams.close_all()
 
     def emit(self, tok: int, source: str) -> None:

@@ -83,10 +83,16 @@ class PrefillJob:
         req = self.server.engine.requests[self.request_id]
         block_ids = list(req.block_ids)
         read = self.server.engine.runner.read_block
-        meta = self.manifest.to_meta() | {"first_token": self.first_token}
+        manifest, rid, extra = self.manifest, self.request_id, {}
+        if target.get("warm_blocks") is not None:
+            # Only a shared prefix, to warm the receiver's prefix cache: no
+            # request there will consume it under this request's id.
+            manifest = manifest.prefix(int(target["warm_blocks"]))
+            rid, extra = f"{self.request_id}.warm", {"warm": True}
+        meta = manifest.to_meta() | {"first_token": self.first_token} | extra
         handle = self.server.sender.send(
-            str(target["host"]), int(target["kv_port"]), self.request_id, meta,
-            list(self.manifest.block_hashes), lambda i: read(block_ids[i]),
+            str(target["host"]), int(target["kv_port"]), rid, meta,
+            list(manifest.block_hashes), lambda i: read(block_ids[i]),
             deadline_s=float(target.get("deadline_s", self.server.spec.kv_deadline_s)),
         )
         self.transfers[name] = handle

@@ -37,8 +37,8 @@ from __future__ import annotations
 import dataclasses
 
 from pdd.policy import (
-    ClusterView, LinkEstimator, NoRouteError, Pipeline, RequestFacts, Role, choose_pipeline,
-    pick_instance,
+    ClusterView, LinkEstimator, NoRouteError, Pipeline, PrefixReuseCounter, RequestFacts, Role,
+    choose_pipeline, pick_instance, warm_after_skip,
 )
 from pdd.sim.cost_model import CostModel
 from pdd.sim.decoders import DecodersMixin
@@ -68,7 +68,8 @@ class Cluster(TransfersMixin, DecodersMixin):
             cost = CostModel(self.model, get_profile(pool.hardware), pool.chips,
                              pool.mfu, pool.mbu, pool.overhead_s, pool.per_seq_s, pool.time_scale)
             blocks = pool.kv_blocks or cost.kv_capacity_tokens(pool.mem_fraction) // self.block_size
-            cache = pool.prefix_cache and (pool.role is not Role.RELAY)
+            # Every engine keeps a prefix cache (RLD's skips the blocks it holds).
+            cache = pool.prefix_cache
             if pool.role in DECODERS and not self.cfg.enable_drc:
                 cache = False
             # A time-sliced step's end moves whenever a neighbour starts or ends
@@ -98,6 +99,7 @@ class Cluster(TransfersMixin, DecodersMixin):
         p_dc = next((i.datacenter for i in self.instances.values() if i.role is Role.PREFILL), None)
         self.md_link = self._link_name(p_dc, md_dc) if p_dc and md_dc else None
         self.p_link = f"rdma-{p_dc}" if p_dc else None      # P -> RLD
+        self.prefix_reuses = PrefixReuseCounter()
         # flow id -> (request, "rld" | "md", destination id, start time, bytes, link name)
         self.flows: dict[str, tuple[SimRequest, str, str, float, int, str]] = {}
         self.flow_steps: dict[str, int] = {}      # flow id -> receiver's step count at its start
@@ -116,7 +118,7 @@ class Cluster(TransfersMixin, DecodersMixin):
         if sv is not None:
             for inst in self.instances.values():
                 inst.deliver_s = sv.token_s + self._one_way_dc(sv.router_datacenter, inst.datacenter)
-            asked = [i for i in self.instances.values() if i.role in (Role.PREFILL, Role.MAIN)]
+            asked = [i for i in self.instances.values() if i.role in (Role.PREFILL, Role.MAIN, Role.RELAY)]
             rtt = max((2 * self._one_way_dc(sv.router_datacenter, i.datacenter) for i in asked),
                       default=0.0)
             self.router_delay_s = sv.request_s + (rtt if sv.match_round_trip else 0.0)
@@ -226,7 +228,19 @@ class Cluster(TransfersMixin, DecodersMixin):
         req.decision = d
         req.pipeline = ("relay_filtered" if d.pipeline is Pipeline.RELAY_ONLY and d.reason != "wan down"
                         else d.pipeline.value)
+        self._plan_warm(req, d, matched)
         return self._start_prefill(req, self.instances[d.p_id], matched.get(d.p_id, 0), now)
+
+    def _plan_warm(self, req: SimRequest, d, matched: dict[str, int]) -> None:
+        """As the router: count the shared prefix; a filtered request may warm MD with it."""
+        shared = matched.get(d.p_id, 0) // self.block_size
+        if shared == 0:
+            return
+        reuses = self.prefix_reuses.seen(req.spec.block_ids[shared - 1])   # chained: names the prefix
+        if d.pipeline is Pipeline.RELAY_ONLY and d.md_id is not None:
+            tokens = warm_after_skip(shared * self.block_size, matched.get(d.md_id, 0), reuses,
+                                     self.block_size, self.cfg)
+            req.warm_blocks = tokens // self.block_size
 
     def _start_prefill(self, req: SimRequest, p: SimInstance, matched: int, now: float) -> list[Event]:
         s = req.spec
@@ -286,14 +300,17 @@ class Cluster(TransfersMixin, DecodersMixin):
         d = req.decision
         req.prefill_done_s = now
         req.p_blocks, req.p_shared = job.num_blocks, job.shared
-        full = self._facts(req).missing_kv_bytes(0)
-
         def send(t: float) -> list[Event]:
             evs: list[Event] = []
             if d.rld_id is not None:
-                evs += self._transfer(req, "rld", p, self.instances[d.rld_id], full, t)
+                rld = self.instances[d.rld_id]     # only what its cache lacks (HAVE) travels
+                lacks = self._facts(req).missing_kv_bytes(self._matched(rld, req))
+                evs += self._transfer(req, "rld", p, rld, lacks, t)
             if d.start_wan:
                 evs += self._transfer(req, "md", p, self.instances[d.md_id], d.missing_bytes, t)
+            if req.warm_blocks:
+                size = req.warm_blocks * self.block_size * self.model.kv_bytes_per_token
+                evs += self._transfer(req, "warm", p, self.instances[d.md_id], size, t)
             return evs
         if self.manifest_wait:
             p.wait_boundaries(1, send)     # the KV manifest is read after P's next step

@@ -23,8 +23,14 @@ class DecodersMixin:
         if req.finished:
             return self._end_on_rld(req, now)
         s = req.spec
-        req.rld_seq = Seq(req, s.prompt_tokens + 1, rld.blocks_for(s.prompt_tokens + s.max_tokens),
-                          relay=True)
+        shared: list[int] = []
+        if rld.cache is not None:          # the prompt's blocks, shared with RLD's cache
+            rld.cache.insert(s.block_ids)
+            shared = list(s.block_ids[: rld.cache.match(s.block_ids)])
+            rld.cache.pin(shared)
+        req.rld_seq = Seq(req, s.prompt_tokens + 1,
+                          rld.blocks_for(s.prompt_tokens + s.max_tokens) - len(shared),
+                          relay=True, shared=shared)
         rld.add_seq(req.rld_seq)
         evs = self._kick(rld, now)
         if req.md_ready_pending is not None:

@@ -51,7 +51,7 @@ class SimRequest:
                  "rld_tokens", "last_rld_token_s", "first_md_token_s", "wan_bytes",
                  "uncached_kv_bytes", "pipeline", "handoff_mode", "done_s", "failed",
                  "error", "decision", "session", "p_id", "rld_seq", "md_seq", "wan_flow",
-                 "p_blocks", "p_shared", "pending_transfers", "ended_on_rld", "last_delay_s",
+                 "p_blocks", "p_shared", "warm_blocks", "pending_transfers", "ended_on_rld", "last_delay_s",
                  "prefill_done_s", "md_ready_pending")
 
     def __init__(self, spec: RequestSpec, stride: int = 1) -> None:
@@ -79,6 +79,7 @@ class SimRequest:
         self.wan_flow: str | None = None
         self.p_blocks = 0
         self.p_shared: list[int] = []
+        self.warm_blocks = 0          # shared prefix blocks pushed to MD's cache (filtered request)
         self.pending_transfers = 0
         self.ended_on_rld = False
         self.last_delay_s = 0.0

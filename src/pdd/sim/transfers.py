@@ -71,6 +71,10 @@ class TransfersMixin:
                 req.wan_bytes += num_bytes
             evs = self._release_p(req, now)
             dst = self.instances[dst_id]
+            if kind == "warm":          # a shared prefix for MD's cache, nothing waits on it
+                if dst.cache is not None:
+                    dst.cache.insert(req.spec.block_ids[: req.warm_blocks])
+                return evs
             return evs + (self._rld_kv_ready(req, dst, now) if kind == "rld"
                           else self._md_kv_ready(req, dst, now))
         return fn
