@@ -122,6 +122,9 @@ def test_abnormal_request_stays_on_relay():
     assert d.rld_id == "r0" and d.reason.startswith("abnormal")
     off = choose_pipeline(req(max_tokens=8), cluster(), PolicyConfig(enable_filter=False))
     assert off.pipeline is Pipeline.RELAY
+    # A full relay pool does not send it over the WAN: it queues on the least-loaded RLD.
+    full = choose_pipeline(req(max_tokens=8), cluster(rlds=("r0", "r1"), rld_running=64), CFG)
+    assert full.pipeline is Pipeline.RELAY_ONLY and full.rld_id in ("r0", "r1") and not full.start_wan
 
 
 def test_prefill_routing_uses_p_cache():

@@ -10,7 +10,8 @@ Decision order, over one ClusterView snapshot:
    est_wan_s = rtt + bytes / measured throughput. Measured, not a constant
    hit rate: a 99%-hit request on a congested line can still be slow.
 5. The filter: RLD would finish the whole output before the copy lands ->
-   RELAY_ONLY, no WAN transfer.
+   RELAY_ONLY, no WAN transfer (queued on the least-loaded RLD when none
+   has room: a few tokens there beat the biggest transfer over the WAN).
 6. est_wan_s <= direct_max_wan_s -> DIRECT: MD holds the KV about as soon
    as an RLD could have mattered. Also DIRECT when the local link is
    measured and RLD would hold the prompt KV (what its own prefix cache
@@ -104,9 +105,14 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) 
     missing = req.missing_kv_bytes(md_matched.get(md_id, 0))
     est = cluster.wan.transfer_s(missing)
 
-    if rld is not None and predict_abnormal(req, est, rld_tpot_s(rld, cfg), cfg):
-        return PipelineDecision(Pipeline.RELAY_ONLY, p_id, rld_id, md_id, False, missing, est,
-                                f"abnormal: {req.max_tokens} tokens end on RLD before "
+    # The filter also applies when the relay pool is full: the request then
+    # queues on the least-loaded RLD (a few tokens, soon done) rather than
+    # send the biggest transfer there is over the WAN for them.
+    rlds = cluster.with_role(Role.RELAY)
+    judge = rld or (cluster.instance(pick_instance(rlds, {}, n, cluster.now, cfg)) if rlds else None)
+    if judge is not None and predict_abnormal(req, est, rld_tpot_s(judge, cfg), cfg):
+        return PipelineDecision(Pipeline.RELAY_ONLY, p_id, judge.instance_id, md_id, False, missing,
+                                est, f"abnormal: {req.max_tokens} tokens end on RLD before "
                                 f"the KV lands ({est:.3f}s)")
     if est <= cfg.direct_max_wan_s:
         return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est,
