@@ -93,3 +93,28 @@ def test_emit_records_every_stride_token_and_the_last(stride):
     assert rec.token_indices[-1] == 9 and rec.token_times_s[-1] == 9.0
     assert rec.tpot_s == pytest.approx(1.0)
     assert rec.rld_tokens == 1 and rec.handoff_gap_s == pytest.approx(1.0)
+
+
+def test_cached_prefix_blocks_are_shared_not_counted_twice():
+    """A follow-up whose 60-block prefix P holds needs only its new blocks:
+    while the first request still holds its 64 (P keeps KV until the transfer
+    ends), the second starts on a 100-block instance, and the prefix stays
+    cached (pinned) throughout instead of being evicted to make room."""
+    i = SimInstance("p", Role.PREFILL, "a", COST, max_batch=8, token_budget=4096, block_size=16,
+                    kv_blocks=100, cache=True)
+    first = SimRequest(RequestSpec("a", 0.0, 1024, 8, 8, tuple(range(64))))
+    i.add_job(Job(first, JobKind.PREFILL, 1024, 0, 64))
+    t = i.start_step(0.0)
+    done = i.end_step(t).jobs_done[0]
+    assert (done.num_blocks, len(done.shared)) == (0, 64)      # all its blocks live in the cache
+    assert i.free_blocks == 36
+    follow = SimRequest(RequestSpec("b", 1.0, 1100, 8, 8, tuple(range(60)) + (900, 901, 902, 903)))
+    i.add_job(Job(follow, JobKind.PREFILL, 1100, 0, 69))
+    t = i.start_step(t)
+    assert t is not None and i.current_chunks == (("b", 140),)   # 960 tokens were cached
+    job = i.end_step(t).jobs_done[0]
+    assert i.cache.match(follow.spec.block_ids) == 64
+    i.unshare(done.shared)                                       # the first one's transfer ended
+    i.release(job.num_blocks)
+    i.unshare(job.shared)
+    assert i.used_blocks == 0 and i.cache.num_pinned == 0 and i.free_blocks == 100

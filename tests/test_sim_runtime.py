@@ -191,13 +191,22 @@ def test_validate_a_bench_folder(tmp_path):
     cal = fit([run], get_model("smollm2-135m"))
     sla = Sla(30.0, 1.0)
     modes = [RuntimeMode(m, str(run / m / "deploy.toml"), run=m) for m in ("pd-local", "pdd")]
-    summary = simulate_deployments(modes, wl, sla, None, cal)
+    summary = simulate_deployments(modes, wl, sla, run, cal, plots=False)   # + <mode>/records.jsonl
     (run / "summary.json").write_text(json.dumps({k: summary[k] for k in ("workload", "sla", "modes")}))
     v = validate(run)
     assert json.loads((run / "validation.json").read_text())["modes"].keys() == {"pd-local", "pdd"}
     for row in v["modes"].values():
         for metric in ("ttft_p50", "ttft_p90", "tpot_mean", "goodput_rps"):
             assert row[metric] == pytest.approx(0.0, abs=1e-9)
+    d = v["modes"]["pdd"]["decisions"]
+    assert d["compared"] == len(wl.requests) and d["agree"] == d["compared"] and d["differ"] == {}
+    # A record that says otherwise is counted as a disagreement.
+    path = run / "pdd" / "records.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[0]["pipeline"] = "relay" if rows[0]["pipeline"] != "relay" else "direct"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d = validate(run)["modes"]["pdd"]["decisions"]
+    assert d["agree"] == d["compared"] - 1 and sum(d["differ"].values()) == 1
 
 
 def test_runner_saves_deploy_file_and_steps(tmp_path, monkeypatch):

@@ -290,13 +290,17 @@ class SimInstance:
                 # the job's private blocks become shared ones.
                 full = (job.ctx_start + job.done) // self.block_size
                 ids = job.req.spec.block_ids
+                new = list(ids[before:full][: job.num_blocks])
+                self.release(len(new))           # make room in the cache for them first
+                job.num_blocks -= len(new)
                 self.cache.insert(ids[:full])
-                new = [b for b in ids[before:full] if b in self.cache]
-                moved = min(len(new), job.num_blocks)
-                self.cache.pin(new[:moved])
-                job.shared += new[:moved]
-                job.num_blocks -= moved
-                self.release(moved)
+                kept = [b for b in new if b in self.cache]
+                self.cache.pin(kept)
+                job.shared += kept
+                if len(kept) < len(new):         # no room even so: they stay private
+                    self.used_blocks += len(new) - len(kept)
+                    job.num_blocks += len(new) - len(kept)
+                    self.cache.set_capacity(self.kv_blocks - self.used_blocks)
         if out.jobs_done:
             done = set(map(id, out.jobs_done))
             self.jobs = deque(j for j in self.jobs if id(j) not in done)

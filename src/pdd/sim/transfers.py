@@ -1,11 +1,14 @@
 """KV transfers of the simulated cluster: flows on shared links, landing, cancel.
 
 A mixin of `pdd.sim.cluster.Cluster` (it uses the cluster's instances, links,
-estimators and event loop). A flow joins its link after one handshake RTT;
-when it lands the receiver holds the whole KV (optionally only after the
-receiver's next steps, as a busy server imports blocks between steps), the
-WAN estimator is fed the transfer as the router's is fed the real ones, and
-P frees the prompt's blocks once every transfer out of it has ended.
+estimators and event loop). A flow joins its link after one handshake RTT
+(BEGIN out, HAVE back; with `import_wait`, a busy receiver answers HAVE only
+at its next step boundary, since it looks its prefix cache up on its engine
+thread); when it lands the receiver holds the whole KV (with `import_wait`,
+only after the receiver's next step boundary, as a busy server imports
+blocks between steps), the link's estimator is fed the transfer as the
+router's is fed the real ones, and P frees the prompt's blocks once every
+transfer out of it has ended.
 """
 
 from __future__ import annotations
@@ -32,7 +35,20 @@ class TransfersMixin:
                 return []       # cancelled during the handshake
             nxt = link.add(t, flow_id, num_bytes)
             return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
-        return [self._later(link.rtt_s, name, join)]
+
+        if self.import_wait == "none":
+            return [self._later(link.rtt_s, name, join)]
+
+        def have(t: float) -> list[Event]:     # BEGIN reached the receiver
+            if flow_id not in self.flows:
+                return []
+            back = lambda t2: [self._later(link.rtt_s / 2, name, join)]
+            if not dst.busy:
+                return back(t)
+            dst.wait_boundaries(1, back)
+            end = dst.interrupt(t)
+            return [] if end is None else [Event(end, EventKind.STEP_END, dst.instance_id, dst.version)]
+        return [self._later(link.rtt_s / 2, name, have)]
 
     def _on_transfer_done(self, ev: Event) -> list[Event]:
         link = self.links[ev.key]

@@ -6,7 +6,12 @@ the CPU profile calibrated from the run's own steps.jsonl files, and writes
 RUN/validation.json with signed relative errors, (sim - real) / real:
 
     {"modes": {mode: {"ttft_p50", "ttft_p90", "tpot_mean", "goodput_rps",
-                      "real": {...}, "sim": {...}}}, "targets": {...}, ...}
+                      "real": {...}, "sim": {...}, "decisions": {...}}},
+     "targets": {...}, ...}
+
+`decisions` compares, request by request, the pipeline the real router chose
+(records.jsonl) with the simulator's: how many agree, and the pairs that
+differ ("relay -> direct": real relay, simulated direct).
 """
 
 from __future__ import annotations
@@ -74,16 +79,43 @@ def validate(run: Path, calibration: CpuCalibration | None = None,
                  "options": vars(opts), "modes": {}}
     for m in modes:
         real = summary["modes"][m.name]
-        sim, _, _ = run_runtime_mode(m, workload, sla, calibration, opts)
+        sim, records, _ = run_runtime_mode(m, workload, sla, calibration, opts)
         row: dict = {}
         for metric, (key, sub) in METRICS.items():
             row[metric] = rel_error(_get(sim, key, sub), _get(real, key, sub))
         row["real"] = {k: _get(real, *v) for k, v in METRICS.items()}
         row["sim"] = {k: _get(sim, *v) for k, v in METRICS.items()}
         row["sim"]["pipelines"] = sim["sim"]["pipelines"]
+        row["decisions"] = compare_decisions(run / m.name / "records.jsonl", records)
         out["modes"][m.name] = row
     (run / "validation.json").write_text(json.dumps(_finite(out), indent=2) + "\n")
     return out
+
+
+# The router's and the simulator's names for the same outcome.
+_SAME = {"relay_only": "relay_filtered"}
+
+
+def compare_decisions(real_path: Path, sim_records: list) -> dict | None:
+    if not real_path.is_file():
+        return None
+    real = {}
+    for line in real_path.read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            real[d["request_id"]] = d.get("pipeline")
+    agree, differ, n = 0, {}, 0
+    for r in sim_records:
+        if r.request_id not in real or real[r.request_id] is None:
+            continue         # baselines: the router records no pipeline
+        n += 1
+        want = _SAME.get(real[r.request_id], real[r.request_id])
+        if want == r.pipeline:
+            agree += 1
+        else:
+            key = f"{want} -> {r.pipeline}"
+            differ[key] = differ.get(key, 0) + 1
+    return {"compared": n, "agree": agree, "differ": differ} if n else None
 
 
 def print_table(v: dict) -> None:
@@ -98,3 +130,8 @@ def print_table(v: dict) -> None:
             cells.append(f"{txt:>22}")
         print(f"{name:<12}" + "".join(cells))
     print("TTFT in s, TPOT in ms, goodput in req/s; targets: |err| <= 10% TTFT, 5% TPOT")
+    for name, row in v["modes"].items():
+        d = row.get("decisions")
+        if d:
+            print(f"{name}: pipeline decisions agree on {d['agree']}/{d['compared']} requests"
+                  + (f" (real -> sim: {d['differ']})" if d["differ"] else ""))
