@@ -139,11 +139,13 @@ class InstanceServer:
         ids = (await request.json()).get("prompt_ids", [])
         ns = self.engine.model_cfg.model_id.encode()
         hashes = hash_blocks(ids, self.engine.cfg.block_size, ns)
-
-        def longest(e: Engine) -> int:
-            return len(e.pool.lookup_prefix(hashes)) * e.cfg.block_size
-
-        return web.json_response({"matched_tokens": await self.loop.call(longest)})
+        # Read here, not as an engine command: that would wait for the step
+        # under way (a whole prefill chunk on P) before the router can route.
+        # lookup_prefix only does dict lookups, atomic under the GIL; the
+        # answer is a routing hint that may be one step stale (the transfer's
+        # HAVE is what counts).
+        matched = len(self.engine.pool.lookup_prefix(hashes)) * self.engine.cfg.block_size
+        return web.json_response({"matched_tokens": matched})
 
     async def abort(self, request: web.Request) -> web.Response:
         rid = str((await request.json()).get("request_id"))
