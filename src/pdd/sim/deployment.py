@@ -53,7 +53,7 @@ class RuntimeOptions:
     token_s: float = 0.003              # instance NDJSON -> router SSE -> client, per token
     manifest_after_step: bool = False   # P reads the KV manifest only after its next step (the server did until it read it at once)
     import_wait: str = "batch"          # none | batch (as the server: lands at the receiver's next step boundary) | block
-    measured_wan_rate: bool = False     # cap one WAN transfer at the KV rate P measured (tried: see docs)
+    measured_wan_rate: bool = False     # cap one WAN transfer at the KV rate P measured (tried, off: see docs/SIMULATOR.md)
 
 
 def model_shape(spec: DeploymentSpec) -> ModelShape:
