@@ -141,3 +141,17 @@ def test_in_dc_pd_uses_decode_role():
 def test_no_prefill_is_no_route():
     with pytest.raises(NoRouteError):
         choose_pipeline(req(), ClusterView((inst("m0", Role.MAIN),), {}, WAN, 0.0), CFG)
+
+
+def test_plan_warm_counts_every_shared_prefix_and_warms_only_filtered_requests():
+    from pdd.policy import PipelineDecision, PrefixReuseCounter, plan_warm
+
+    counter, key = PrefixReuseCounter(), (lambda n: ("prefix", n))
+    filtered = PipelineDecision(Pipeline.RELAY_ONLY, "p0", "r0", "m0", False, 0, 5.0, "abnormal")
+    direct = PipelineDecision(Pipeline.DIRECT, "p0", None, "m0", True, 0, 0.1, "wan")
+    matched = {"p0": 520, "m0": 0}
+    assert plan_warm(direct, matched, key, counter, 16, CFG) == (0, 0)      # counted, not warmed
+    assert plan_warm(filtered, matched, key, counter, 16, CFG) == (0, 1)    # one earlier reuse
+    assert plan_warm(filtered, matched, key, counter, 16, CFG) == (512, 2)  # hot: 32 whole blocks
+    assert plan_warm(filtered, matched | {"m0": 512}, key, counter, 16, CFG) == (0, 3)  # MD has it
+    assert plan_warm(filtered, {"p0": 10}, key, counter, 16, CFG) == (0, 0)  # no whole block shared

@@ -20,6 +20,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from pdd.bench import agentic
+
 DEFAULT_SLA_TTFT_S = 3.0
 DEFAULT_SLA_TPOT_S = 0.25
 
@@ -57,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results/bench", help="output folder")
     parser.add_argument("--quick", action="store_true",
                         help="small workload: four modes in a few minutes on a CPU")
-    parser.add_argument("--preset", choices=("full", "quick", "validate"), default=None,
+    parser.add_argument("--preset", choices=tuple(agentic.PRESETS), default=None,
                         help="agentic workload preset (--quick = --preset quick; validate: "
                              "40 requests, steadier percentiles for pdd sim --validate)")
     parser.add_argument("--sla-ttft", type=float, default=DEFAULT_SLA_TTFT_S, metavar="S")
@@ -93,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_workload(args: argparse.Namespace):
     """The Workload that --workload, --quick and the shape options describe."""
-    from pdd.bench import agentic, trace
+    from pdd.bench import trace
     from pdd.bench.workload import validate_token_ids, with_poisson_arrivals
 
     if args.workload == "agentic":

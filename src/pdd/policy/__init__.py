@@ -13,7 +13,7 @@ from pdd.policy.handoff import (
     SendBatch, choose_handoff_mode, new_session,
 )
 from pdd.policy.link_estimator import EstimatorConfig, LinkEstimator
-from pdd.policy.pipeline import NoRouteError, Pipeline, PipelineDecision, choose_pipeline
+from pdd.policy.pipeline import NoRouteError, Pipeline, PipelineDecision, choose_pipeline, plan_warm
 from pdd.policy.routing import pick_instance, score_instance
 from pdd.policy.views import ClusterView, InstanceView, LinkEstimate, RequestFacts, Role
 
@@ -22,6 +22,6 @@ __all__ = [
     "HandoffMode", "HandoffOverride", "HandoffSession", "HandoffState", "InstanceView",
     "LinkEstimate", "LinkEstimator", "NoRouteError", "Pipeline", "PipelineDecision",
     "PolicyConfig", "PrefixReuseCounter", "RequestFacts", "Role", "SendBatch", "choose_handoff_mode",
-    "choose_pipeline", "new_session", "pick_instance", "predict_abnormal", "score_instance",
+    "choose_pipeline", "new_session", "pick_instance", "plan_warm", "predict_abnormal", "score_instance",
     "should_cancel_wan", "warm_after_skip", "warm_tokens_after_cancel",
 ]

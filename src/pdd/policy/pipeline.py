@@ -31,11 +31,12 @@ request until MD takes over (or, filtered, for a handful of tokens).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 from pdd.policy.config import PolicyConfig
-from pdd.policy.filter import predict_abnormal
+from pdd.policy.filter import PrefixReuseCounter, predict_abnormal, warm_after_skip
 from pdd.policy.routing import pick_instance
 from pdd.policy.views import ClusterView, InstanceView, RequestFacts, Role
 
@@ -80,6 +81,13 @@ def _pick_rld(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) -> Ins
     return cluster.instance(pick_instance(free, {}, req.num_prompt_tokens, cluster.now, cfg))
 
 
+def _least_loaded_rld(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) -> InstanceView | None:
+    rlds = cluster.with_role(Role.RELAY)
+    if not rlds:
+        return None
+    return cluster.instance(pick_instance(rlds, {}, req.num_prompt_tokens, cluster.now, cfg))
+
+
 def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) -> PipelineDecision:
     prefills = cluster.with_role(Role.PREFILL)
     if not prefills:
@@ -89,16 +97,15 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) 
     rld = _pick_rld(req, cluster, cfg)
     rld_id = rld.instance_id if rld else None
 
+    # Where a request that must stay on RLD queues when none has room: room frees up.
+    queue_rld = rld or _least_loaded_rld(req, cluster, cfg)
+
     mds = cluster.with_role(Role.MAIN) or cluster.with_role(Role.DECODE)
     if not mds or not cfg.md_reachable or not cluster.wan.usable:
-        if rld is None:
-            # Queue on the least-loaded RLD rather than fail: room frees up.
-            rlds = cluster.with_role(Role.RELAY)
-            if not rlds:
-                raise NoRouteError("WAN down and no relay-decode instance")
-            rld_id = pick_instance(rlds, {}, n, cluster.now, cfg)
-        return PipelineDecision(Pipeline.RELAY_ONLY, p_id, rld_id, None, False, 0, math.inf,
-                                "wan down")
+        if queue_rld is None:
+            raise NoRouteError("WAN down and no relay-decode instance")
+        return PipelineDecision(Pipeline.RELAY_ONLY, p_id, queue_rld.instance_id, None, False, 0,
+                                math.inf, "wan down")
 
     md_matched = {m.instance_id: cluster.matched(m.instance_id) for m in mds} if cfg.enable_drc else {}
     md_id = pick_instance(mds, md_matched, n, cluster.now, cfg)
@@ -106,13 +113,11 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) 
     est = cluster.wan.transfer_s(missing)
 
     # The filter also applies when the relay pool is full: the request then
-    # queues on the least-loaded RLD (a few tokens, soon done) rather than
-    # send the biggest transfer there is over the WAN for them.
-    rlds = cluster.with_role(Role.RELAY)
-    judge = rld or (cluster.instance(pick_instance(rlds, {}, n, cluster.now, cfg)) if rlds else None)
-    if judge is not None and predict_abnormal(req, est, rld_tpot_s(judge, cfg), cfg):
-        return PipelineDecision(Pipeline.RELAY_ONLY, p_id, judge.instance_id, md_id, False, missing,
-                                est, f"abnormal: {req.max_tokens} tokens end on RLD before "
+    # queues on RLD (a few tokens, soon done) rather than send the biggest
+    # transfer there is over the WAN for them.
+    if queue_rld is not None and predict_abnormal(req, est, rld_tpot_s(queue_rld, cfg), cfg):
+        return PipelineDecision(Pipeline.RELAY_ONLY, p_id, queue_rld.instance_id, md_id, False,
+                                missing, est, f"abnormal: {req.max_tokens} tokens end on RLD before "
                                 f"the KV lands ({est:.3f}s)")
     if est <= cfg.direct_max_wan_s:
         return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est,
@@ -129,3 +134,20 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) 
         return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why)
     return PipelineDecision(Pipeline.RELAY, p_id, rld_id, md_id, True, missing, est,
                             f"wan {est:.3f}s > {cfg.direct_max_wan_s}s")
+
+
+def plan_warm(d: PipelineDecision, matched: Mapping[str, int], prefix_key: Callable[[int], Hashable],
+              reuses: PrefixReuseCounter, block_size: int, cfg: PolicyConfig) -> tuple[int, int]:
+    """Count the request's P-cached prefix as one more reuse of it; return
+    (tokens of it a filtered request should still push to MD, earlier reuses).
+
+    `prefix_key(n)` names the request's first n (block-aligned) tokens: a hash
+    of the token ids in the router, a chained block id in the simulator.
+    """
+    shared = matched.get(d.p_id, 0) // block_size * block_size
+    if shared == 0:
+        return 0, 0
+    before = reuses.seen(prefix_key(shared))
+    if d.pipeline is not Pipeline.RELAY_ONLY or d.md_id is None:
+        return 0, before
+    return warm_after_skip(shared, matched.get(d.md_id, 0), before, block_size, cfg), before

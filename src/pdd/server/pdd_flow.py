@@ -25,7 +25,7 @@ from typing import AsyncIterator
 
 from pdd.policy import (
     Abandon, Complete, HandoffSession, Pipeline, RequestFacts, SendBatch, choose_handoff_mode,
-    choose_pipeline, should_cancel_wan, warm_after_skip,
+    choose_pipeline, plan_warm, should_cancel_wan,
 )
 from pdd.policy.pipeline import rld_tpot_s
 from pdd.server.cluster import Cluster, Member
@@ -80,14 +80,8 @@ class PddRun:
     def plan_warm(self, d, matched: dict[str, int]) -> None:
         """Count this request's shared prefix; a filtered one may still warm MD with it."""
         ctx, bs = self.ctx, self.ctx.block_size
-        shared = matched.get(d.p_id, 0) // bs * bs
-        if shared == 0:
-            return
-        key = hashlib.blake2b(repr(ctx.prompt_ids[:shared]).encode(), digest_size=16).digest()
-        reuses = self.cluster.prefix_reuses.seen(key)
-        if d.pipeline != Pipeline.RELAY_ONLY or d.md_id is None:
-            return
-        tokens = warm_after_skip(shared, matched.get(d.md_id, 0), reuses, bs, self.cluster.policy)
+        key = lambda n: hashlib.blake2b(repr(ctx.prompt_ids[:n]).encode(), digest_size=16).digest()
+        tokens, reuses = plan_warm(d, matched, key, self.cluster.prefix_reuses, bs, self.cluster.policy)
         if tokens:
             self.warm = (self.cluster.members[d.md_id], tokens // bs)
             ctx.trace.event("warm_md", tokens=tokens, reuses=reuses)
@@ -154,12 +148,10 @@ class PddRun:
                     src, ev = await self.streams.queue.get()
                     if src != "p":
                         continue
-                    if ev.get("event") == "transfer":
-                        note_transfer(self.ctx, ev, self.cluster)
-                        self.transfers[ev["target"]] = bool(ev.get("ok"))
-                    elif ev.get("event") in ("finished", "closed"):
+                    if ev.get("event") in ("finished", "closed"):
                         return
-                await release(self.client, self.p, self.ctx)
+                    # Notes the transfer and releases P's KV once the last one ended.
+                    await self.on_prefill_event(ev.get("event"), ev)
         except Exception as e:  # noqa: BLE001 - best effort: the request is already answered
             self.ctx.trace.event("warm_md_failed", error=repr(e))
         finally:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pdd.bench import agentic
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.splitlines()[0]
@@ -54,7 +56,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload (runtime files; as `pdd bench`)")
     w.add_argument("--quick", action="store_true",
                    help="the quick bench workload (pdd sim report: shorter sweeps)")
-    w.add_argument("--preset", choices=("full", "quick", "validate"), default=None,
+    w.add_argument("--preset", choices=tuple(agentic.PRESETS), default=None,
                    help="agentic workload preset, as pdd bench's")
     w.add_argument("--workload", default="agentic", help="agentic | trace:PATH")
     w.add_argument("--num-requests", type=int, default=None)

@@ -38,7 +38,7 @@ import dataclasses
 
 from pdd.policy import (
     ClusterView, LinkEstimator, NoRouteError, Pipeline, PrefixReuseCounter, RequestFacts, Role,
-    choose_pipeline, pick_instance, warm_after_skip,
+    choose_pipeline, pick_instance, plan_warm,
 )
 from pdd.sim.cost_model import CostModel
 from pdd.sim.decoders import DecodersMixin
@@ -233,14 +233,9 @@ class Cluster(TransfersMixin, DecodersMixin):
 
     def _plan_warm(self, req: SimRequest, d, matched: dict[str, int]) -> None:
         """As the router: count the shared prefix; a filtered request may warm MD with it."""
-        shared = matched.get(d.p_id, 0) // self.block_size
-        if shared == 0:
-            return
-        reuses = self.prefix_reuses.seen(req.spec.block_ids[shared - 1])   # chained: names the prefix
-        if d.pipeline is Pipeline.RELAY_ONLY and d.md_id is not None:
-            tokens = warm_after_skip(shared * self.block_size, matched.get(d.md_id, 0), reuses,
-                                     self.block_size, self.cfg)
-            req.warm_blocks = tokens // self.block_size
+        key = lambda n: req.spec.block_ids[n // self.block_size - 1]    # chained: names the prefix
+        tokens, _ = plan_warm(d, matched, key, self.prefix_reuses, self.block_size, self.cfg)
+        req.warm_blocks = tokens // self.block_size
 
     def _start_prefill(self, req: SimRequest, p: SimInstance, matched: int, now: float) -> list[Event]:
         s = req.spec

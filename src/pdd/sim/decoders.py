@@ -23,11 +23,9 @@ class DecodersMixin:
         if req.finished:
             return self._end_on_rld(req, now)
         s = req.spec
-        shared: list[int] = []
-        if rld.cache is not None:          # the prompt's blocks, shared with RLD's cache
+        if rld.cache is not None:
             rld.cache.insert(s.block_ids)
-            shared = list(s.block_ids[: rld.cache.match(s.block_ids)])
-            rld.cache.pin(shared)
+        shared = rld.pin_prefix(s.block_ids)     # the prompt's blocks, shared with RLD's cache
         req.rld_seq = Seq(req, s.prompt_tokens + 1,
                           rld.blocks_for(s.prompt_tokens + s.max_tokens) - len(shared),
                           relay=True, shared=shared)
@@ -60,11 +58,7 @@ class DecodersMixin:
             req.emit([now], relay=False, delay_s=md.deliver_s)
             if req.finished:
                 return self._finish(req, now, cache_on=md)
-        # The imported prompt blocks stay pinned for the request (counted once).
-        shared: list[int] = []
-        if md.cache is not None:
-            shared = list(s.block_ids[: md.cache.match(s.block_ids)])
-            md.cache.pin(shared)
+        shared = md.pin_prefix(s.block_ids)      # imported blocks, pinned for the request
         blocks -= len(shared)
         if req.decision.pipeline is Pipeline.DIRECT:
             req.md_seq = Seq(req, s.prompt_tokens + 1, blocks, relay=False, shared=shared)

@@ -138,12 +138,21 @@ class SimInstance:
         minus that run privately; None (nothing taken) when memory is short."""
         if self.cache is None:
             return [] if self.allocate(num_private) else None
-        ids = list(block_ids[: self.cache.match(block_ids)])
+        ids = block_ids[: self.cache.match(block_ids)]
         private = max(num_private - len(ids), 0)
         if private + self.cache.num_unpinned(ids) > self.free_blocks:
             return None
-        self.cache.pin(ids)
+        shared = self.pin_prefix(ids)      # first, so the allocation cannot evict them
         self.allocate(private)
+        return shared
+
+    def pin_prefix(self, block_ids) -> list[int]:
+        """Pin the leading run of `block_ids` the cache holds, for KV already in
+        memory (imported); [] without a cache."""
+        if self.cache is None:
+            return []
+        ids = list(block_ids[: self.cache.match(block_ids)])
+        self.cache.pin(ids)
         return ids
 
     def unshare(self, ids: list[int]) -> None:

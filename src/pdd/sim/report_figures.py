@@ -83,23 +83,23 @@ def cost_table(path: Path, entries: dict) -> None:
 
 def bathtub(path: Path, data: dict) -> None:
     plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
-    for label, rows in data.items():
-        xs = [r["nominal_hit"] for r in rows]
-        axes[0].plot(xs, [r["bcr"] * 1e3 for r in rows], marker=".", label=label)
-        axes[1].plot(xs, [r["prefill_tok_per_busy_s"] for r in rows], marker=".", label=label)
-        if all("revenue_bcr" in r for r in rows):
-            axes[2].plot(xs, [r["revenue_bcr"] for r in rows], marker=".", label=label)
-    axes[2].set_xlabel("prefix-hit rate of a later turn (nominal)")
-    axes[2].set_ylabel("SLA revenue per hardware cost")
-    axes[2].set_title("revenue BCR (cached input billed at 25%)")
-    axes[0].set_xlabel("prefix-hit rate of a later turn (nominal; realised is lower: cold first turns, eviction)")
-    axes[0].set_ylabel("BCR (SLA goodput per cost/h, x1e-3)")
-    axes[0].set_title("BCR vs hit rate")
-    axes[1].set_xlabel("prefix-hit rate of a later turn (nominal)")
-    axes[1].set_ylabel("uncached tokens per P-busy second")
-    axes[1].set_title("P prefill efficiency: tail-chunk valleys")
-    for ax in axes:
+    hit = "prefix-hit rate of a later turn (nominal)"
+    panels = [  # row key, scale, x label, y label, title
+        ("bcr", 1e3, hit[:-1] + "; realised is lower: cold first turns, eviction)",
+         "BCR (SLA goodput per cost/h, x1e-3)", "BCR vs hit rate"),
+        ("prefill_tok_per_busy_s", 1.0, hit, "uncached tokens per P-busy second",
+         "P prefill efficiency: tail-chunk valleys"),
+        ("revenue_bcr", 1.0, hit, "SLA revenue per hardware cost", "revenue BCR (cached input billed at 25%)"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4))
+    for ax, (key, scale, xlabel, ylabel, title) in zip(axes, panels):
+        for label, rows in data.items():
+            if all(key in r for r in rows):
+                ax.plot([r["nominal_hit"] for r in rows], [r[key] * scale for r in rows], marker=".",
+                        label=label)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     _save(fig, path)

@@ -46,8 +46,7 @@ class TransfersMixin:
             if not dst.busy:
                 return back(t)
             dst.wait_boundaries(1, back)
-            end = dst.interrupt(t)
-            return [] if end is None else [Event(end, EventKind.STEP_END, dst.instance_id, dst.version)]
+            return self._kick(dst, t)          # busy: a macro step ends at the next boundary
         return [self._later(link.rtt_s / 2, name, have)]
 
     def _on_transfer_done(self, ev: Event) -> list[Event]:
@@ -68,9 +67,7 @@ class TransfersMixin:
                     blocks = -(-flow.num_bytes // (self.block_size * self.model.kv_bytes_per_token))
                     waits = max(1, int(blocks) + 1 - (dst.num_steps - started))
                 dst.wait_boundaries(waits, landed)
-                t = dst.interrupt(ev.time)
-                if t is not None:
-                    evs.append(Event(t, EventKind.STEP_END, dst.instance_id, dst.version))
+                evs += self._kick(dst, ev.time)   # busy: a macro step ends at the next boundary
             else:
                 evs += landed(ev.time)
         return evs
