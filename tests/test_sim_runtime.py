@@ -20,10 +20,12 @@ from pdd.policy import Role
 from pdd.sim.bench_stream import BenchStream, chained_block_ids
 from pdd.sim.calibration import CpuCalibration, fit
 from pdd.sim.cost_model import CostModel, StepShape
-from pdd.sim.deployment import mode_from_spec, model_shape
+from pdd.sim.cluster import Cluster
+from pdd.sim.deployment import RuntimeOptions, mode_from_spec, model_shape
 from pdd.sim.hardware import get_profile
 from pdd.sim.model_shape import get_model
 from pdd.sim.runtime import RuntimeMode, run_runtime_mode, simulate_deployments
+from pdd.sim.scenario import Scenario, SimSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -193,7 +195,7 @@ def test_validate_a_bench_folder(tmp_path):
     modes = [RuntimeMode(m, str(run / m / "deploy.toml"), run=m) for m in ("pd-local", "pdd")]
     summary = simulate_deployments(modes, wl, sla, run, cal, plots=False)   # + <mode>/records.jsonl
     (run / "summary.json").write_text(json.dumps({k: summary[k] for k in ("workload", "sla", "modes")}))
-    v = validate(run)
+    v = validate(run, seeds=1)      # the seed the "measurements" were drawn with
     assert json.loads((run / "validation.json").read_text())["modes"].keys() == {"pd-local", "pdd"}
     for row in v["modes"].values():
         for metric in ("ttft_p50", "ttft_p90", "tpot_mean", "goodput_rps"):
@@ -205,8 +207,97 @@ def test_validate_a_bench_folder(tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     rows[0]["pipeline"] = "relay" if rows[0]["pipeline"] != "relay" else "direct"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    d = validate(run)["modes"]["pdd"]["decisions"]
+    d = validate(run, seeds=1)["modes"]["pdd"]["decisions"]
     assert d["agree"] == d["compared"] - 1 and sum(d["differ"].values()) == 1
+    # Several seeds: the prediction is their median, inside their range.
+    v = validate(run, seeds=3)
+    assert v["seeds"] == 3
+    for row in v["modes"].values():
+        for metric in ("ttft_p50", "ttft_p90", "tpot_mean"):
+            lo, hi = row["sim_range"][metric]
+            assert lo <= row["sim"][metric] <= hi
+    # Two validations summarised: counts over both, the real values' spread.
+    from pdd.sim.validate import summarize
+
+    exact = validate(run, seeds=1)
+    s = summarize([exact, v])
+    assert s["modes"].keys() == {"pd-local", "pdd"}
+    cell = s["modes"]["pd-local"]["ttft_p90"]
+    assert cell["n"] == 2 and cell["errors"][0] == pytest.approx(0.0, abs=1e-9)
+    assert cell["within_target"] == sum(abs(e) <= 0.10 for e in cell["errors"]) >= 1
+    assert cell["real_min"] == cell["real_max"] == exact["modes"]["pd-local"]["real"]["ttft_p90"]
+    assert s["modes"]["pd-local"]["goodput_rps"]["within_target"] is None
+
+
+def test_calibration_fits_each_role_its_own_fixed_costs(tmp_path):
+    """P's server work per step (KV export) shows as P's own overhead, not a
+    per-token cost spread over every instance; MD/RLD borrow the decoders' fit."""
+    model = get_model("smollm2-135m")
+    truth = {"prefill": CostModel(model, get_profile("cpu"), mfu=0.4, mbu=0.5, overhead_s=0.10,
+                                  per_seq_s=0.0),
+             "decode": CostModel(model, get_profile("cpu"), mfu=0.4, mbu=0.5, overhead_s=0.01,
+                                 per_seq_s=0.02)}
+    rng = random.Random(1)
+    d = tmp_path / "run" / "pd-local"
+    d.mkdir(parents=True)
+    (d / "deploy.toml").write_text((EXAMPLES / "pd-local.toml").read_text())
+    with open(d / "steps.jsonl", "w") as f:
+        for _ in range(120):
+            c = rng.choice([32, 80, 200, 512])
+            rec = {"instance": "p0", "num_prefill_tokens": c, "num_decode_tokens": 0,
+                   "batch_size": 1, "context_lens": [c + rng.randint(0, 1000)]}
+            rec["wall_s"] = truth["prefill"].step_time(StepShape.from_record(rec)) * rng.uniform(0.9, 1.1)
+            f.write(json.dumps(rec) + "\n")
+            b = rng.randint(1, 8)
+            rec = {"instance": "d0", "num_prefill_tokens": 0, "num_decode_tokens": b, "batch_size": b,
+                   "context_lens": [rng.randint(100, 1500) for _ in range(b)]}
+            rec["wall_s"] = truth["decode"].step_time(StepShape.from_record(rec)) * rng.uniform(0.9, 1.1)
+            f.write(json.dumps(rec) + "\n")
+    cal = fit([tmp_path / "run"], model)
+    assert set(cal.role_fits) == {"prefill", "decode"}
+    pre, dec = cal.fit_for(1, "prefill"), cal.fit_for(1, "main")
+    assert pre.overhead_s == pytest.approx(0.10, rel=0.25) and dec.overhead_s < 0.05
+    assert dec is cal.role_fits["decode"][1] and cal.fit_for(1, "relay") is dec
+    assert cal.fit_for(1, "colocated") is cal.fits[1]          # no colocated data: the pooled fit
+    for role, m in truth.items():            # each role's steps within their noise
+        f_ = cal.fit_for(1, role)
+        for c in (32, 512):
+            s = StepShape(c, 0, 1, (c + 500,)) if role == "prefill" else StepShape(0, c // 32 + 1, c // 32 + 1, (800,) * (c // 32 + 1))
+            got = CostModel(model, get_profile("cpu"), mfu=f_.mfu, mbu=f_.mbu, overhead_s=f_.overhead_s,
+                            per_seq_s=f_.per_seq_s).step_time(s)
+            assert got == pytest.approx(m.step_time(s), rel=0.08)
+        # Uniform +-10% scatter: a robust sigma of ~0.06 in log terms.
+        assert 0.03 < f_.jitter < 0.09
+    again = CpuCalibration.from_dict(json.loads(json.dumps(cal.to_dict())))
+    assert again.fit_for(1, "prefill") == pre
+    spec = load_spec(d / "deploy.toml")
+    mode = mode_from_spec(spec, "pd-local", cal)
+    by_name = {p.name: p for p in mode.pools}
+    assert by_name["p0"].overhead_s == pre.overhead_s and by_name["d0"].overhead_s == dec.overhead_s
+    assert by_name["p0"].step_jitter == pre.jitter > 0
+    quiet = mode_from_spec(spec, "pd-local", cal, dataclasses.replace(RuntimeOptions(), step_jitter=False))
+    assert all(p.step_jitter == 0 for p in quiet.pools)
+
+
+def test_step_jitter_is_seeded_and_keeps_the_mean():
+    spec = load_spec(EXAMPLES / "pd-local.toml")
+    wl = chain_workload(n_turns=4)
+    base = mode_from_spec(spec, "pd-local")
+    def ttfts(jitter: float, seed: int) -> list[float]:
+        pools = tuple(dataclasses.replace(p, step_jitter=jitter) for p in base.pools)
+        mode = dataclasses.replace(base, pools=pools, seed=seed)
+        sc = Scenario(model_shape(spec), None, Sla(60.0, 1.0), (mode,), SimSettings(drain_s=1e6))
+        reqs = Cluster(mode, sc, BenchStream(wl, 16)).run(1e6)
+        return [r.record().ttft_s for r in sorted(reqs, key=lambda r: r.spec.request_id)]
+    exact = ttfts(0.0, 0)
+    assert ttfts(0.2, 1) == ttfts(0.2, 1) != ttfts(0.2, 2)
+    assert ttfts(0.2, 1) != exact
+    # Mean-one factors: averaged over seeds, a request's TTFT stays near the exact one.
+    runs = [ttfts(0.2, s) for s in range(12)]
+    for i, t in enumerate(exact):
+        assert sum(r[i] for r in runs) / len(runs) == pytest.approx(t, rel=0.15)
+    with pytest.raises(ValueError, match="step_jitter"):
+        dataclasses.replace(base.pools[0], step_jitter=1.5)
 
 
 def test_runner_saves_deploy_file_and_steps(tmp_path, monkeypatch):
@@ -283,3 +374,32 @@ def test_filtered_requests_with_a_hot_shared_prefix_warm_md():
     # the partial one whole) crossed the WAN, straight to MD.
     n0 = by_id["n0"]
     assert n0.pipeline == "direct" and n0.wan_bytes == 3 * kv_block
+
+
+def test_steps_of_a_shared_core_count_as_alone_when_no_neighbour_ran(tmp_path):
+    """MD and RLD share core 1 in examples/pdd.toml: an MD step during which
+    RLD ran no step measures MD's own speed and joins the fit; one that
+    overlapped an RLD step carries RLD's time slices and does not."""
+    d = tmp_path / "run" / "pdd"
+    d.mkdir(parents=True)
+    (d / "deploy.toml").write_text((EXAMPLES / "pdd.toml").read_text())
+    spec = load_spec(d / "deploy.toml")
+    md = next(i.name for i in spec.instances if i.role.value == "main")
+    rld = next(i.name for i in spec.instances if i.role.value == "relay")
+    step = {"num_prefill_tokens": 0, "num_decode_tokens": 2, "batch_size": 2, "context_lens": [500, 600]}
+    rows = [
+        {"instance": md, "start_s": 100.0, "wall_s": 0.5, **step},    # alone
+        {"instance": rld, "start_s": 100.6, "wall_s": 0.5, **step},   # overlaps MD's 2nd
+        {"instance": md, "start_s": 101.0, "wall_s": 0.5, **step},    # overlaps RLD's 1st
+        {"instance": md, "start_s": 101.7, "wall_s": 0.2, **step},    # alone (RLD ended at 101.1)
+        {"instance": rld, "start_s": 102.0, "wall_s": 0.1, **step},   # alone
+        {"instance": md, "start_s": 103.0, "wall_s": 0.2, **{k: v for k, v in step.items()}},
+    ]
+    rows[-1].pop("start_s")                                             # no clock: stays shared
+    (d / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from pdd.sim.calibration import load_records
+
+    # The fit takes the steps that ran alone (all three of them, nothing else).
+    recs = load_records([tmp_path / "run"])[1]
+    assert [(r["name"], r["start_s"]) for r in recs] == [(md, 100.0), (md, 101.7), (rld, 102.0)]
+    assert all(r["alone"] and r["group"] == "decode" for r in recs)

@@ -46,6 +46,10 @@ class StepRecord:
     batch_size: int
     context_lens: tuple[int, ...]
     wall_s: float
+    # Wall clock (time.time()) at the step's start: comparable across the
+    # processes of one machine, so calibration can tell which steps of two
+    # instances pinned to one core overlapped.
+    start_s: float = 0.0
 
 
 class Engine:
@@ -152,6 +156,7 @@ class Engine:
         for s in plan.seqs:
             if s.request.request_id in self._pins:
                 self._release_pins(s.request.request_id)
+        start = time.time()
         t0 = time.perf_counter()
         sampled = self.runner.execute(plan)
         wall = time.perf_counter() - t0
@@ -163,6 +168,7 @@ class Engine:
             batch_size=len(plan.seqs),
             context_lens=tuple(s.start + s.num_tokens for s in plan.seqs),
             wall_s=wall,
+            start_s=start,
         ))
         for s, tok in zip(plan.seqs, sampled):
             req = s.request

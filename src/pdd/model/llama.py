@@ -25,6 +25,27 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 
+# A decode step multiplies a few rows (one per sequence) by every weight
+# matrix. On CPU, `F.linear` (x @ W^T) is 1.5-2.3x slower with 2-5 rows than
+# the same dot products computed as W @ x^T, and with 2-3 rows slower than
+# with 4 or 8 (measured here on SmolLM2's matrices, weights streamed from
+# memory: 30 layers, 2 rows 65 ms vs 28 ms, 3 rows 91 vs 41, 4 rows 53 vs 38,
+# 6 rows 57 vs 61). The logits' 49K x 576 matrix keeps the advantage up to
+# 8 rows (2 rows 25 ms vs 7 ms, 8 rows 20 vs 17). A single row is faster
+# padded to two than as a matrix-vector product (30 ms vs 40 ms).
+SKINNY_ROWS = 5
+SKINNY_LOGITS_ROWS = 8
+
+
+def linear(x: Tensor, w: Tensor, skinny_rows: int = SKINNY_ROWS) -> Tensor:
+    """x [M, in] @ w[out, in]^T; on CPU with M <= skinny_rows as W @ x^T."""
+    m = x.shape[0]
+    if m > skinny_rows or x.device.type != "cpu":
+        return F.linear(x, w)
+    if m == 1:
+        return torch.mm(w, torch.cat([x, x]).t())[:, :1].t().contiguous()
+    return torch.mm(w, x.t()).t().contiguous()
+
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -110,7 +131,7 @@ class LlamaBlock(nn.Module):
         # x: [T, hidden]
         T = x.shape[0]
         h = self.input_layernorm(x)
-        qkv = F.linear(h, self.wqkv)  # qkv: [T, (H + 2*KVH) * D]
+        qkv = linear(h, self.wqkv)  # qkv: [T, (H + 2*KVH) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # q: [T, H, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # k: [T, KVH, D]
@@ -118,11 +139,11 @@ class LlamaBlock(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         o = attention(self.layer_idx, q, k, v)  # o: [T, H, D]
-        x = x + F.linear(o.reshape(T, self.q_size), self.wo)  # [T, hidden]
+        x = x + linear(o.reshape(T, self.q_size), self.wo)  # [T, hidden]
         h = self.post_attention_layernorm(x)
-        gate_up = F.linear(h, self.w_gate_up)  # gate_up: [T, 2*I]
+        gate_up = linear(h, self.w_gate_up)  # gate_up: [T, 2*I]
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w_down)  # [T, hidden]
+        return x + linear(F.silu(gate) * up, self.w_down)  # [T, hidden]
 
 
 class LlamaModel(nn.Module):
@@ -175,7 +196,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, w).float()
+        return linear(hidden, w, SKINNY_LOGITS_ROWS).float()
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()

@@ -2,11 +2,27 @@
 
 Input: `steps.jsonl` files (one engine step a line, with its "instance"),
 each read with the `deploy.toml` saved beside it, which says how many threads
-each instance ran and which core it was pinned to. Steps are grouped by
-thread count and fitted with `cost_model.calibrate`, one `CostModel` per
-group. Instances pinned to a core they share with another instance are left
-out while any other data exists: their wall times include the neighbour's
-time slices, which the simulator adds back by itself.
+each instance ran, its role and which core it was pinned to. Steps are
+grouped by thread count and fitted with `cost_model.calibrate`, one
+`CostModel` per group. A step of an instance pinned to a core it shares
+with another instance is left out while any other data exists when it
+overlapped a neighbour's step (by the steps' wall-clock starts; steps
+recorded without a start are all left out): its wall time holds the
+neighbour's time slices, which the simulator adds back by itself.
+
+Each role group (prefill; decode, which covers D, MD and RLD; colocated)
+with enough steps of its own gets a fit of its own as well. The server
+around an engine does different work on the engine's core per role: P's
+process serialises and sends the KV of every prompt it prefills, D's
+receives and streams. Measured here, a P step carries ~0.1 s of fixed cost
+that a decoder's step does not, which one pooled fit spreads over the
+per-token term: it then made 512-token chunks ~8% too slow and 80-token
+warm-turn chunks ~9% too fast. An instance whose role has no fit of its own
+uses the pooled one.
+
+Replaying a run, each instance runs at its own measured speed: the median
+measured / fitted time of its own unshared steps (`instance_load`), else
+its run's `load` (against the pooled fit).
 
 The Prometheus text saved beside (metrics/*.prom) adds what KV transfers
 really achieve per link: bytes sent over seconds spent, per run.
@@ -17,7 +33,10 @@ reads and `deployment.mode_from_spec` applies per instance and link.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
+import math
 import re
 import statistics
 from collections import Counter
@@ -29,6 +48,15 @@ from pdd.sim.hardware import get_profile
 from pdd.sim.model_shape import ModelShape
 
 FIELDS = ("mfu", "mbu", "overhead_s", "per_seq_s")
+# A role group needs this many steps alone on a core for a fit of its own.
+MIN_ROLE_RECORDS = 30
+
+
+def role_group(role: str) -> str:
+    """The calibration group of an instance role (deploy or policy spelling)."""
+    role = str(getattr(role, "value", role))
+    return role if role in ("prefill", "colocated") else "decode"
+
 _PROM = re.compile(r"^(?P<name>pdd_kv_sent_bytes_total|pdd_kv_transfer_seconds_sum)"
                    r"\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$")
 _LINK = re.compile(r'link="([^"]+)"')
@@ -44,6 +72,9 @@ class ThreadFit:
     rmse_s: float = 0.0
     r2: float = 0.0
     instances: tuple[str, ...] = ()
+    # Robust sigma of log(measured / fitted) over the fitted steps: the
+    # scatter the simulator draws each step's time from (`step_jitter`).
+    jitter: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,21 +90,36 @@ class CpuCalibration:
     # receiver and relay share the cores with the engines, so a transfer is
     # slower than its line.
     transfer: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Per role group ("prefill", "decode", "colocated") and thread count.
+    role_fits: dict[str, dict[int, ThreadFit]] = field(default_factory=dict)
+    # Per instance alone on its core ("run/name"): median measured / fitted
+    # step time of its own steps against its role's fit. Replaying that run,
+    # the instance runs at this speed (others at their run's `load`).
+    instance_load: dict[str, float] = field(default_factory=dict)
 
-    def coefficients(self, num_threads: int) -> dict:
-        """Pool coefficients for an engine with `num_threads` threads.
+    def fit_for(self, num_threads: int, role: str | None = None) -> ThreadFit | None:
+        """The role's own fit at this thread count, else the pooled one.
 
         An unmeasured thread count borrows the nearest measured one's
         efficiencies (the pool's chips already scale the peaks by threads).
         """
+        own = self.role_fits.get(role_group(role), {}) if role is not None else {}
+        if num_threads in own:
+            return own[num_threads]
         if not self.fits:
-            return {}
-        k = min(self.fits, key=lambda t: (abs(t - num_threads), t))
-        f = self.fits[k]
-        return {name: getattr(f, name) for name in FIELDS}
+            return None
+        return self.fits[min(self.fits, key=lambda t: (abs(t - num_threads), t))]
 
-    def time_scale(self, run: str | None) -> float:
-        return self.load.get(run, 1.0) if run is not None else 1.0
+    def coefficients(self, num_threads: int, role: str | None = None) -> dict:
+        """Pool coefficients for an engine with `num_threads` threads in `role`."""
+        f = self.fit_for(num_threads, role)
+        return {} if f is None else {name: getattr(f, name) for name in FIELDS}
+
+    def time_scale(self, run: str | None, instance: str | None = None) -> float:
+        if run is None:
+            return 1.0
+        own = self.instance_load.get(f"{run}/{instance}") if instance is not None else None
+        return own if own is not None else self.load.get(run, 1.0)
 
     def transfer_bytes_s(self, link: str, run: str | None) -> float | None:
         """Measured KV throughput of one transfer on `link`: the run's, else pooled."""
@@ -83,16 +129,21 @@ class CpuCalibration:
         return None
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "hardware": "cpu",
-                "fits": {str(k): {**vars(f), "instances": list(f.instances)}
-                         for k, f in sorted(self.fits.items())},
-                "load": dict(self.load), "transfer": self.transfer}
+        dump = lambda fits: {str(k): {**vars(f), "instances": list(f.instances)}
+                             for k, f in sorted(fits.items())}
+        return {"model": self.model, "hardware": "cpu", "fits": dump(self.fits),
+                "role_fits": {g: dump(f) for g, f in sorted(self.role_fits.items())},
+                "load": dict(self.load), "instance_load": dict(self.instance_load),
+                "transfer": self.transfer}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CpuCalibration":
-        fits = {int(k): ThreadFit(**{**v, "instances": tuple(v.get("instances", ()))})
-                for k, v in d.get("fits", {}).items()}
-        return cls(d.get("model", "?"), fits, dict(d.get("load", {})), dict(d.get("transfer", {})))
+        read = lambda fits: {int(k): ThreadFit(**{**v, "instances": tuple(v.get("instances", ()))})
+                             for k, v in fits.items()}
+        return cls(d.get("model", "?"), read(d.get("fits", {})), dict(d.get("load", {})),
+                   dict(d.get("transfer", {})),
+                   {g: read(f) for g, f in d.get("role_fits", {}).items()},
+                   dict(d.get("instance_load", {})))
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -112,8 +163,8 @@ def step_files(paths: list[Path]) -> list[Path]:
     return out
 
 
-def _instances(steps_path: Path) -> dict[str, tuple[int, bool]]:
-    """instance -> (engine threads, alone on its core), from the deploy.toml beside it."""
+def _instances(steps_path: Path) -> dict[str, tuple[int, bool, str, int | None]]:
+    """instance -> (engine threads, alone on its core, role group, core), from the deploy.toml beside it."""
     deploy = steps_path.parent / "deploy.toml"
     if not deploy.is_file():
         return {}
@@ -121,32 +172,65 @@ def _instances(steps_path: Path) -> dict[str, tuple[int, bool]]:
 
     spec = load_spec(deploy)
     cores = Counter(i.cpu for i in spec.instances if i.cpu is not None)
-    return {i.name: (i.engine.num_threads, i.cpu is None or cores[i.cpu] == 1) for i in spec.instances}
+    return {i.name: (i.engine.num_threads, i.cpu is None or cores[i.cpu] == 1, role_group(i.role), i.cpu)
+            for i in spec.instances}
+
+
+def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None]) -> None:
+    """A step of an instance that shares its core counts as alone when no
+    step of its neighbours overlapped it (by the steps' wall-clock starts)."""
+    spans: dict[int, list[tuple[float, float, str]]] = {}
+    for r in recs:
+        core = core_of.get(r["name"])
+        if core is not None and r.get("start_s"):
+            spans.setdefault(core, []).append((r["start_s"], r["start_s"] + r["wall_s"], r["name"]))
+    for core, items in spans.items():
+        items.sort()
+        ends: dict[str, list[dict]] = {}
+        for r in recs:
+            if r["alone"] or core_of.get(r["name"]) != core or not r.get("start_s"):
+                continue
+            ends.setdefault(r["name"], []).append(r)
+        for name, mine in ends.items():
+            others = [(s, e) for s, e, n in items if n != name]     # sorted by start
+            starts = [s for s, _ in others]
+            latest_end = list(itertools.accumulate((e for _, e in others), max))
+            for r in mine:
+                a, b = r["start_s"], r["start_s"] + r["wall_s"]
+                j = bisect.bisect_left(starts, b)          # neighbours' steps starting before b
+                r["alone"] = j == 0 or latest_end[j - 1] <= a
 
 
 def load_records(paths: list[Path]) -> dict[int, list[dict]]:
     """Step records grouped by thread count, shared-core instances last resort.
 
-    Each record gains "run" (its folder), "instance" ("run/name") and "alone".
+    Each record gains "run" (its folder), "instance" ("run/name"), "alone"
+    and "group" (its instance's role group).
     """
     alone: dict[int, list[dict]] = {}
     shared: dict[int, list[dict]] = {}
     for f in step_files(paths):
         info = _instances(f)
         tag = f.parent.name
+        recs = []
         for line in f.read_text().splitlines():
             if not line.strip():
                 continue
             rec = json.loads(line)
-            threads, solo = info.get(rec.get("instance"), (1, True))
-            rec.update(run=tag, instance=f"{tag}/{rec.get('instance')}", alone=solo)
-            (alone if solo else shared).setdefault(threads, []).append(rec)
+            name = rec.get("instance")
+            threads, solo, group, _ = info.get(name, (1, True, role_group(rec.get("role", "decode")), None))
+            rec.update(run=tag, name=name, instance=f"{tag}/{name}", alone=solo, group=group,
+                       threads=threads)
+            recs.append(rec)
+        _mark_unshared_steps(recs, {n: v[3] for n, v in info.items() if not v[1]})
+        for rec in recs:
+            (alone if rec["alone"] else shared).setdefault(rec["threads"], []).append(rec)
     return {t: alone.get(t) or shared[t] for t in sorted(set(alone) | set(shared))}
 
 
 def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
         drop_outliers: float = 0.02) -> CpuCalibration:
-    """One roofline fit per engine thread count.
+    """One roofline fit per engine thread count, and per role group where it has data.
 
     After a first fit, the `drop_outliers` share of steps with the largest
     relative error is dropped and the fit repeated: the first steps of a
@@ -154,27 +238,60 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
     otherwise pull every coefficient.
     """
     fits: dict[int, ThreadFit] = {}
-    ratios: dict[str, list[float]] = {}
+    role_fits: dict[str, dict[int, ThreadFit]] = {}
+    # (measured / fitted, weight): a decode step weighs the tokens it makes,
+    # as in the fit, so a factor describes the steps that make the tokens.
+    ratios: dict[str, list[tuple[float, float]]] = {}
+    own_ratios: dict[str, list[tuple[float, float]]] = {}
     for threads, recs in load_records(paths).items():
         if len(recs) < 3:
             continue
         base = CostModel(model, get_profile(hardware), chips=threads)
-        cal = calibrate(recs, base, balance=True)
-        if drop_outliers > 0 and len(recs) > 50:
-            err = [abs(cal.model.step_time(StepShape.from_record(r)) - r["wall_s"]) / r["wall_s"]
-                   for r in recs]
-            cut = sorted(err)[int(len(err) * (1 - drop_outliers)) - 1]
-            cal = calibrate([r for r, e in zip(recs, err) if e <= cut], base, balance=True)
-        m = cal.model
-        fits[threads] = ThreadFit(m.mfu, m.mbu, m.overhead_s, m.per_seq_s, cal.num_records,
-                                  cal.rmse_s, cal.r2,
-                                  tuple(sorted({r["instance"] for r in recs})))
+        fits[threads], pooled = _fit_group(recs, base, drop_outliers)
+        groups: dict[str, list[dict]] = {}
         for r in recs:
             if r["alone"]:
-                ratios.setdefault(r["run"], []).append(
-                    r["wall_s"] / m.step_time(StepShape.from_record(r)))
-    load = {run: statistics.median(v) for run, v in sorted(ratios.items()) if len(v) >= 10}
-    return CpuCalibration(model.name, fits, load, transfer_rates(paths))
+                groups.setdefault(r["group"], []).append(r)
+        own = {}
+        for group, grecs in sorted(groups.items()):
+            if len(grecs) >= MIN_ROLE_RECORDS:
+                role_fits.setdefault(group, {})[threads], own[group] = _fit_group(grecs, base, drop_outliers)
+        for r in recs:
+            if r["alone"]:
+                shape = StepShape.from_record(r)
+                # A run's load against one reference for all runs: the pooled fit.
+                w = float(max(r["num_decode_tokens"], 1))
+                ratios.setdefault(r["run"], []).append((r["wall_s"] / pooled.step_time(shape), w))
+                m = own.get(r["group"], pooled)
+                own_ratios.setdefault(r["instance"], []).append((r["wall_s"] / m.step_time(shape), w))
+    load = {run: _weighted_median(v) for run, v in sorted(ratios.items()) if len(v) >= 10}
+    instance_load = {i: _weighted_median(v) for i, v in sorted(own_ratios.items()) if len(v) >= 10}
+    return CpuCalibration(model.name, fits, load, transfer_rates(paths), role_fits, instance_load)
+
+
+def _weighted_median(pairs: list[tuple[float, float]]) -> float:
+    pairs = sorted(pairs)
+    half, acc = sum(w for _, w in pairs) / 2, 0.0
+    for value, w in pairs:
+        acc += w
+        if acc >= half:
+            return value
+    return pairs[-1][0]
+
+
+def _fit_group(recs: list[dict], base: CostModel, drop_outliers: float) -> tuple[ThreadFit, CostModel]:
+    cal = calibrate(recs, base, balance=True)
+    if drop_outliers > 0 and len(recs) > 50:
+        err = [abs(cal.model.step_time(StepShape.from_record(r)) - r["wall_s"]) / r["wall_s"]
+               for r in recs]
+        cut = sorted(err)[int(len(err) * (1 - drop_outliers)) - 1]
+        cal = calibrate([r for r, e in zip(recs, err) if e <= cut], base, balance=True)
+    m = cal.model
+    logs = sorted(math.log(r["wall_s"] / m.step_time(StepShape.from_record(r))) for r in recs)
+    mid = statistics.median(logs)
+    jitter = 1.4826 * statistics.median(abs(x - mid) for x in logs)    # MAD -> sigma
+    return ThreadFit(m.mfu, m.mbu, m.overhead_s, m.per_seq_s, cal.num_records, cal.rmse_s, cal.r2,
+                     tuple(sorted({r["instance"] for r in recs})), min(jitter, 0.5)), m
 
 
 def transfer_rates(paths: list[Path]) -> dict[str, dict[str, float]]:

@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fit the CPU profile to steps.jsonl files or bench result folders")
     p.add_argument("--calibration", type=Path, default=None, metavar="CAL_JSON",
                    help="runtime files / --validate: CPU profile fitted by --calibrate")
-    p.add_argument("--validate", type=Path, default=None, metavar="RUN",
-                   help="replay the bench run RUN (results/<name>) and write validation.json")
+    p.add_argument("--validate", type=Path, nargs="+", default=None, metavar="RUN",
+                   help="replay the bench run RUN (results/<name>) and write validation.json; "
+                        "several runs of one workload: also their summary")
     p.add_argument("--model", default="smollm2-135m", help="model preset for --calibrate")
     p.add_argument("--hardware", default="cpu", help="hardware profile for --calibrate")
     p.add_argument("--no-plots", action="store_true")
@@ -49,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--request-overhead-ms", type=float, default=None,
                    help="router work before a request reaches P")
     r.add_argument("--loopback-mbps", type=float, default=None, help="local KV link")
+    r.add_argument("--no-jitter", action="store_true",
+                   help="step times exactly as fitted, without the measured scatter")
+    r.add_argument("--jitter-seed", type=int, default=0, help="seed of the step-time jitter")
+    r.add_argument("--seeds", type=int, default=5,
+                   help="--validate: jitter seeds to simulate; the median is the prediction")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,7 +92,7 @@ def _options(args):
         o = dataclasses.replace(o, request_s=args.request_overhead_ms / 1e3)
     if args.loopback_mbps is not None:
         o = dataclasses.replace(o, loopback_gbps=args.loopback_mbps / 1e3)
-    return o
+    return dataclasses.replace(o, step_jitter=not args.no_jitter, seed=args.jitter_seed)
 
 
 def _calibration(args):
@@ -103,11 +109,20 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate is not None:
         return _run_calibrate(args)
     if args.validate is not None:
-        from pdd.sim.validate import print_table, validate
+        from pdd.sim.validate import print_summary, print_table, summarize, validate
 
-        v = validate(args.validate, _calibration(args), _options(args))
-        print_table(v)
-        print(f"wrote {args.validate / 'validation.json'}")
+        if args.seeds < 1:
+            print("pdd sim: --seeds must be >= 1")
+            return 2
+        done = []
+        for run_dir in args.validate:
+            v = validate(run_dir, _calibration(args), _options(args), seeds=args.seeds)
+            print(f"== {run_dir}")
+            print_table(v)
+            print(f"wrote {run_dir / 'validation.json'}")
+            done.append(v)
+        if len(done) > 1:
+            print_summary(summarize(done))
         return 0
     if not args.config:
         print("pdd sim: give at least one -c FILE (or --calibrate / --validate / report)")

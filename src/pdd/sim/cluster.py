@@ -35,6 +35,7 @@ in `decoders.py` (`DecodersMixin`).
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 from pdd.policy import (
     ClusterView, LinkEstimator, NoRouteError, Pipeline, PrefixReuseCounter, RequestFacts, Role,
@@ -82,7 +83,8 @@ class Cluster(TransfersMixin, DecodersMixin):
                     iid = f"{pool.role.value}-{pool.datacenter}-{pool.hardware}-{i:03d}"
                 self.instances[iid] = SimInstance(
                     iid, pool.role, pool.datacenter, cost, pool.max_batch, pool.token_budget,
-                    self.block_size, blocks, cache, macro, pool.chunk_packing == "single")
+                    self.block_size, blocks, cache, macro, pool.chunk_packing == "single",
+                    jitter=pool.step_jitter, seed=zlib.crc32(f"{mode.seed}/{iid}".encode()))
                 if pool.core in shared:
                     self.core_of[iid] = f"core{pool.core}"
         self.cores = {c: Link(c, 1.0, 0.0, 1.0) for c in sorted(set(self.core_of.values()))}
@@ -297,15 +299,17 @@ class Cluster(TransfersMixin, DecodersMixin):
         req.p_blocks, req.p_shared = job.num_blocks, job.shared
         def send(t: float) -> list[Event]:
             evs: list[Event] = []
+            # Only what the receiver lacks at its HAVE answer travels.
             if d.rld_id is not None:
-                rld = self.instances[d.rld_id]     # only what its cache lacks (HAVE) travels
+                rld = self.instances[d.rld_id]
                 lacks = self._facts(req).missing_kv_bytes(self._matched(rld, req))
                 evs += self._transfer(req, "rld", p, rld, lacks, t)
             if d.start_wan:
                 evs += self._transfer(req, "md", p, self.instances[d.md_id], d.missing_bytes, t)
             if req.warm_blocks:
                 size = req.warm_blocks * self.block_size * self.model.kv_bytes_per_token
-                evs += self._transfer(req, "warm", p, self.instances[d.md_id], size, t)
+                evs += self._transfer(req, "warm", p, self.instances[d.md_id], size, t,
+                                      blocks=req.warm_blocks)
             return evs
         if self.manifest_wait:
             p.wait_boundaries(1, send)     # the KV manifest is read after P's next step

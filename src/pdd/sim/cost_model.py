@@ -117,9 +117,10 @@ def calibrate(step_records: Iterable[dict], base: CostModel,
 
     The roofline max() is not linear, so (mfu, mbu) are searched on a log grid
     (coarse, then refined around the best cell); for each cell the fixed costs
-    follow in closed form, clipped at zero. The fit minimises relative error;
-    with `balance`, steps with prefill tokens weigh as much in total as the
-    (usually far more numerous) decode-only steps, so TTFT is fitted too.
+    follow in closed form, clipped at zero. The fit minimises relative error,
+    a decode-only step weighed by the tokens it makes (TPOT is a per-token
+    mean); with `balance`, steps with prefill tokens weigh as much in total as
+    the (usually far more numerous) decode-only steps, so TTFT is fitted too.
     """
     import numpy as np
 
@@ -133,11 +134,17 @@ def calibrate(step_records: Iterable[dict], base: CostModel,
     comm = np.array([base.comm_s(s) for s in shapes])
     batch = np.array([float(s.batch_size) for s in shapes])
     weight = 1.0 / np.maximum(wall, 1e-9)
+    pre = np.array([s.num_prefill_tokens > 0 for s in shapes])
+    # A decode step counts once per token it makes: TPOT is a per-token mean,
+    # and a batch-8 step makes eight of them where a batch-1 step makes one.
+    tokens = np.array([max(s.num_decode_tokens, 1) for s in shapes], dtype=float)
+    share = np.where(pre, 1.0, tokens)
+    weight = weight * np.sqrt(share)
     if balance:
-        pre = np.array([s.num_prefill_tokens > 0 for s in shapes])
         n_pre, n = int(pre.sum()), len(shapes)
         if 0 < n_pre < n:
-            weight = weight * np.sqrt(np.where(pre, n / (2.0 * n_pre), n / (2.0 * (n - n_pre))))
+            tot_pre, tot_dec = share[pre].sum(), share[~pre].sum()
+            weight = weight * np.sqrt(np.where(pre, 0.5 / tot_pre, 0.5 / tot_dec) * share.sum())
 
     def search(mfus, mbus):
         roof = np.maximum(comp[None, None, :] / mfus[:, None, None],

@@ -29,8 +29,7 @@ class DecodersMixin:
         req.rld_seq = Seq(req, s.prompt_tokens + 1,
                           rld.blocks_for(s.prompt_tokens + s.max_tokens) - len(shared),
                           relay=True, shared=shared)
-        rld.add_seq(req.rld_seq)
-        evs = self._kick(rld, now)
+        evs = self._submit(rld, req.rld_seq, now)
         if req.md_ready_pending is not None:
             fn, req.md_ready_pending = req.md_ready_pending, None
             return evs + self._deliver(rld, now, fn)
@@ -64,8 +63,23 @@ class DecodersMixin:
             req.md_seq = Seq(req, s.prompt_tokens + 1, blocks, relay=False, shared=shared)
         else:
             req.md_seq = Seq(req, s.prompt_tokens, blocks, relay=False, decoding=False, shared=shared)
-        md.add_seq(req.md_seq)
-        return self._kick(md, now)
+        return self._submit(md, req.md_seq, now)
+
+    def _submit(self, inst: SimInstance, seq: Seq, now: float) -> list[Event]:
+        """The decode server submits the request to its engine once the KV has
+        landed, as an engine command: a busy engine takes it at its next step
+        boundary (the landing itself waited for the one before)."""
+        def go(t: float) -> list[Event]:
+            if seq.removed:                 # ended meanwhile (RLD finished, handoff done)
+                inst.unshare(seq.shared)
+                seq.shared = []
+                return []
+            inst.add_seq(seq)
+            return self._kick(inst, t)
+        if self.import_wait == "none" or not inst.busy:
+            return go(now)
+        inst.wait_boundaries(1, go)
+        return self._kick(inst, now)        # busy: a macro step ends at the next boundary
 
     def _md_ready(self, md: SimInstance, seq: Seq, now: float) -> list[Event]:
         req = seq.req

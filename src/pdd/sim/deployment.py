@@ -7,7 +7,12 @@ core pinning and price; the links' bandwidth, latency, jitter and price; the
 
 * hardware: this CPU (`cpu` profile, one chip per engine thread), its
   roofline coefficients fitted to measured engine steps when a calibration
-  is given (`pdd.sim.calibration`), else the profile's prior;
+  is given (`pdd.sim.calibration`; the instance role's own fit where it has
+  one), else the profile's prior; with a calibration, each step's time is
+  drawn about the fit with the scatter measured steps showed (`step_jitter`,
+  seeded by `seed`): on a closed-loop workload one request more or less
+  caught behind a cold prefill moves the median, so the simulator's answer
+  is a spread over seeds, as a real run is one draw;
 * model: the embedded SmolLM2-135M (or the local HF folder the file names,
   read from its config.json), KV in the engine's dtype;
 * links inside a datacenter: loopback TCP (~500 MB/s, ~0.1 ms each way);
@@ -54,6 +59,8 @@ class RuntimeOptions:
     manifest_after_step: bool = False   # P reads the KV manifest only after its next step (the server did until it read it at once)
     import_wait: str = "batch"          # none | batch (as the server: lands at the receiver's next step boundary) | block
     measured_wan_rate: bool = False     # cap one WAN transfer at the KV rate P measured (tried, off: see docs/SIMULATOR.md)
+    step_jitter: bool = True            # draw step times about the fit with the calibration's measured scatter
+    seed: int = 0                       # of that jitter
 
 
 def model_shape(spec: DeploymentSpec) -> ModelShape:
@@ -95,8 +102,11 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
         e = inst.engine
         coef = {}
         if calibration is not None:
-            coef = dict(calibration.coefficients(e.num_threads),
-                        time_scale=calibration.time_scale(run))
+            coef = dict(calibration.coefficients(e.num_threads, inst.role.value),
+                        time_scale=calibration.time_scale(run, inst.name))
+            f = calibration.fit_for(e.num_threads, inst.role.value)
+            if opts.step_jitter and f is not None:
+                coef["step_jitter"] = f.jitter
         pools.append(PoolSpec(
             role=Role(inst.role.value), hardware="cpu", chips=e.num_threads, count=1,
             datacenter=inst.datacenter, max_batch=e.max_num_seqs,
@@ -126,7 +136,7 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
                                manifest_after_step=opts.manifest_after_step,
                                import_wait=opts.import_wait)
     return ModeSpec(name or spec.name, tuple(pools), PolicyConfig.from_dict(spec.policy), rdma,
-                    wan, serving)
+                    wan, serving, seed=opts.seed)
 
 
 def block_size(spec: DeploymentSpec) -> int:

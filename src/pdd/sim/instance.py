@@ -20,6 +20,7 @@ blocks are free for the taking (LRU eviction).
 from __future__ import annotations
 
 import bisect
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -53,7 +54,7 @@ class Job:
 class Seq:
     """A request's decoding presence on an instance."""
 
-    __slots__ = ("req", "context", "stop_at", "decoding", "num_blocks", "relay", "shared")
+    __slots__ = ("req", "context", "stop_at", "decoding", "num_blocks", "relay", "shared", "removed")
 
     def __init__(self, req: SimRequest, context: int, num_blocks: int, relay: bool,
                  decoding: bool = True, shared: list[int] | None = None) -> None:
@@ -62,6 +63,7 @@ class Seq:
         self.relay, self.decoding = relay, decoding
         self.stop_at: int | None = None
         self.shared = shared or []
+        self.removed = False
 
     def tokens_left(self) -> int:
         limit = self.req.spec.output_tokens
@@ -81,7 +83,7 @@ class SimInstance:
     def __init__(self, instance_id: str, role: Role, datacenter: str, cost: CostModel,
                  max_batch: int, token_budget: int, block_size: int, kv_blocks: int,
                  cache: bool, max_macro_steps: int = 32, single_chunk: bool = False,
-                 deliver_s: float = 0.0) -> None:
+                 deliver_s: float = 0.0, jitter: float = 0.0, seed: int = 0) -> None:
         if kv_blocks <= 0:
             raise ValueError(f"{instance_id}: no KV memory left after the weights")
         self.instance_id, self.role, self.datacenter = instance_id, role, datacenter
@@ -111,6 +113,10 @@ class SimInstance:
         self._times: list[float] = []
         self._chunks: list[tuple[Job, int]] = []
         self._batch: list[Seq] = []
+        # Measured steps scatter about the fitted model; a lognormal factor
+        # of mean 1 per step reproduces that scatter (seeded: runs repeat).
+        self._jitter = jitter
+        self._rng = random.Random(seed) if jitter > 0 else None
 
     # --- memory -------------------------------------------------------------
     @property
@@ -224,7 +230,10 @@ class SimInstance:
         size = n_dec + len(chunks)
         for i in range(k):
             c_sum = dec_ctx + i * n_dec
-            t += self._time(n_pre + n_dec, size, ctx + c_sum, pairs + c_sum + n_dec)
+            dt = self._time(n_pre + n_dec, size, ctx + c_sum, pairs + c_sum + n_dec)
+            if self._rng is not None:
+                dt *= self._rng.lognormvariate(-0.5 * self._jitter ** 2, self._jitter)
+            t += dt
             times.append(t)
         self._start, self._times, self._chunks, self._batch = now, times, chunks, list(batch)
         self.busy = True
@@ -352,6 +361,7 @@ class SimInstance:
 
     def remove_seq(self, seq: Seq) -> None:
         """Drop a seq wherever it is and free its blocks (abort / handoff done)."""
+        seq.removed = True
         for pool in (self.decoding, self.parked):
             if seq in pool:
                 pool.remove(seq)

@@ -49,6 +49,9 @@ class PoolSpec:
     kv_blocks: int | None = None          # fixed KV pool (engine num_blocks) instead of memory-derived
     price_per_hour: float | None = None   # per instance; default chips x the hardware's price
     core: int | None = None               # CPU core the instance is pinned to; a shared core time-slices
+    # Lognormal sigma of each step's time around the model (mean kept): the
+    # scatter of measured steps about the calibrated fit. 0: deterministic.
+    step_jitter: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str):
@@ -60,6 +63,8 @@ class PoolSpec:
             raise ValueError(f"pool {self.role.value}: chunk_packing must be 'packed' or 'single'")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ValueError(f"pool {self.role.value}: kv_blocks must be >= 1")
+        if not 0 <= self.step_jitter < 1:
+            raise ValueError(f"pool {self.role.value}: step_jitter must be in [0, 1)")
 
     def instance_price(self) -> float:
         if self.price_per_hour is not None:
@@ -122,6 +127,7 @@ class ModeSpec:
     rdma: LinkSpec = LinkSpec(gbps=3200.0, rtt_ms=0.02)
     wan: LinkSpec | None = None
     serving: ServingOverheads | None = None
+    seed: int = 0          # of the step-time jitter (pools with step_jitter > 0)
 
     def cost_per_hour(self) -> float:
         chips = sum(p.count * p.instance_price() for p in self.pools)

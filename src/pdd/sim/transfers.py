@@ -4,7 +4,9 @@ A mixin of `pdd.sim.cluster.Cluster` (it uses the cluster's instances, links,
 estimators and event loop). A flow joins its link after one handshake RTT
 (BEGIN out, HAVE back; with `import_wait`, a busy receiver answers HAVE only
 at its next step boundary, since it looks its prefix cache up on its engine
-thread); when it lands the receiver holds the whole KV (with `import_wait`,
+thread). What crosses is what the receiver lacks when it answers HAVE, as
+the real receiver decides: blocks that landed for another request since
+the routing decision are not sent again. When it lands the receiver holds the whole KV (with `import_wait`,
 only after the receiver's next step boundary, as a busy server imports
 blocks between steps), the link's estimator is fed the transfer as the
 router's is fed the real ones, and P frees the prompt's blocks once every
@@ -20,7 +22,10 @@ from pdd.sim.request import SimRequest
 
 class TransfersMixin:
     def _transfer(self, req: SimRequest, kind: str, src: SimInstance, dst: SimInstance,
-                  num_bytes: int, now: float) -> list[Event]:
+                  num_bytes: int, now: float, blocks: int | None = None) -> list[Event]:
+        """Send the KV of the prompt's first `blocks` blocks (all by default)
+        less what `dst` holds at HAVE time; `num_bytes` is what the router
+        expected to cross (kept when `dst` has no cache)."""
         name = self._link_name(src.datacenter, dst.datacenter)
         link = self.links[name]
         flow_id = f"{req.spec.request_id}/{kind}"
@@ -33,7 +38,17 @@ class TransfersMixin:
         def join(t: float) -> list[Event]:
             if flow_id not in self.flows:
                 return []       # cancelled during the handshake
-            nxt = link.add(t, flow_id, num_bytes)
+            nb = num_bytes
+            if dst.cache is not None:          # the receiver's HAVE, as of now
+                ids = req.spec.block_ids if blocks is None else req.spec.block_ids[:blocks]
+                held = dst.cache.match(ids)
+                if blocks is None:
+                    nb = self._facts(req).missing_kv_bytes(min(held * self.block_size, req.spec.prompt_tokens))
+                else:
+                    nb = (blocks - held) * self.block_size * self.model.kv_bytes_per_token
+                entry = self.flows[flow_id]
+                self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
+            nxt = link.add(t, flow_id, nb)
             return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
 
         if self.import_wait == "none":

@@ -6,8 +6,17 @@ the CPU profile calibrated from the run's own steps.jsonl files, and writes
 RUN/validation.json with signed relative errors, (sim - real) / real:
 
     {"modes": {mode: {"ttft_p50", "ttft_p90", "tpot_mean", "goodput_rps",
-                      "real": {...}, "sim": {...}, "decisions": {...}}},
+                      "real": {...}, "sim": {...}, "sim_range": {...},
+                      "decisions": {...}}},
      "targets": {...}, ...}
+
+Step times are drawn with the scatter the calibration measured (a real run
+is one draw of a noisy machine), so every mode is simulated with `seeds`
+seeds: "sim" holds the median over seeds (the prediction, which the errors
+use), "sim_range" each metric's [min, max] over seeds. On a closed-loop
+workload of 40 requests the range is wide: whether one or two more warm
+turns land behind a cold prefill moves the median by 20-40%, and the real
+run is subject to the same.
 
 `decisions` compares, request by request, the pipeline the real router chose
 (records.jsonl) with the simulator's: how many agree, and the pairs that
@@ -16,8 +25,10 @@ differ ("relay -> direct": real relay, simulated direct).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 
 from pdd.bench.metrics import Sla
@@ -64,7 +75,7 @@ def modes_of(run: Path, summary: dict) -> list[RuntimeMode]:
 
 
 def validate(run: Path, calibration: CpuCalibration | None = None,
-             opts: RuntimeOptions = RuntimeOptions()) -> dict:
+             opts: RuntimeOptions = RuntimeOptions(), seeds: int = 5) -> dict:
     run = Path(run)
     summary = json.loads((run / "summary.json").read_text())
     sla = Sla(**summary["sla"])
@@ -76,16 +87,20 @@ def validate(run: Path, calibration: CpuCalibration | None = None,
         calibration = fit([run], model_shape(load_spec(modes[0].config_path)))
     out: dict = {"run": str(run), "sla": summary["sla"], "targets": TARGETS,
                  "calibration": calibration.to_dict(),
-                 "options": vars(opts), "modes": {}}
+                 "options": vars(opts), "seeds": seeds if opts.step_jitter else 1, "modes": {}}
     for m in modes:
         real = summary["modes"][m.name]
-        sim, records, _ = run_runtime_mode(m, workload, sla, calibration, opts)
-        row: dict = {}
+        runs = [run_runtime_mode(m, workload, sla, calibration, dataclasses.replace(opts, seed=opts.seed + k))
+                for k in range(seeds if opts.step_jitter else 1)]
+        row: dict = {"real": {k: _get(real, *v) for k, v in METRICS.items()}, "sim": {}, "sim_range": {}}
         for metric, (key, sub) in METRICS.items():
-            row[metric] = rel_error(_get(sim, key, sub), _get(real, key, sub))
-        row["real"] = {k: _get(real, *v) for k, v in METRICS.items()}
-        row["sim"] = {k: _get(sim, *v) for k, v in METRICS.items()}
+            vals = [v for v in (_get(entry, key, sub) for entry, _, _ in runs) if v is not None]
+            row["sim"][metric] = statistics.median(vals) if vals else None
+            row["sim_range"][metric] = [min(vals), max(vals)] if vals else None
+            row[metric] = rel_error(row["sim"][metric], row["real"][metric])
+        sim, records, _ = runs[0]
         row["sim"]["pipelines"] = sim["sim"]["pipelines"]
+        # Decisions of the first seed's replay, request by request.
         row["decisions"] = compare_decisions(run / m.name / "records.jsonl", records)
         out["modes"][m.name] = row
     (run / "validation.json").write_text(json.dumps(_finite(out), indent=2) + "\n")
@@ -119,19 +134,62 @@ def compare_decisions(real_path: Path, sim_records: list) -> dict | None:
 
 
 def print_table(v: dict) -> None:
-    print(f"{'mode':<12}" + "".join(f"{m:>22}" for m in METRICS))
-    print(f"{'':<12}" + "".join(f"{'real -> sim (err)':>22}" for _ in METRICS))
+    w = 32
+    print(f"{'mode':<12}" + "".join(f"{m:>{w}}" for m in METRICS))
+    print(f"{'':<12}" + "".join(f"{'real -> sim (err) [sim range]':>{w}}" for _ in METRICS))
     for name, row in v["modes"].items():
         cells = []
         for metric in METRICS:
             r, s, e = row["real"][metric], row["sim"][metric], row[metric]
+            lo_hi = (row.get("sim_range") or {}).get(metric)
             unit = 1e3 if metric == "tpot_mean" else 1.0
             txt = "n/a" if e is None else f"{r * unit:.3g}->{s * unit:.3g} ({e:+.0%})"
-            cells.append(f"{txt:>22}")
+            if e is not None and lo_hi and v.get("seeds", 1) > 1:
+                txt += f" [{lo_hi[0] * unit:.3g}-{lo_hi[1] * unit:.3g}]"
+            cells.append(f"{txt:>{w}}")
         print(f"{name:<12}" + "".join(cells))
-    print("TTFT in s, TPOT in ms, goodput in req/s; targets: |err| <= 10% TTFT, 5% TPOT")
+    print(f"TTFT in s, TPOT in ms, goodput in req/s; sim: median of {v.get('seeds', 1)} jitter seed(s); "
+          "targets: |err| <= 10% TTFT, 5% TPOT")
     for name, row in v["modes"].items():
         d = row.get("decisions")
         if d:
             print(f"{name}: pipeline decisions agree on {d['agree']}/{d['compared']} requests"
                   + (f" (real -> sim: {d['differ']})" if d["differ"] else ""))
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Several validations of one workload: per mode and metric, the real
+    values' spread across runs (the machine's own repeatability), the signed
+    errors, how many are within target, and how many real values fall inside
+    the simulator's seed range."""
+    out: dict = {"runs": [v["run"] for v in runs], "modes": {}}
+    for name in dict.fromkeys(n for v in runs for n in v["modes"]):
+        rows = [v["modes"][name] for v in runs if name in v["modes"]]
+        cell = {}
+        for metric in METRICS:
+            real = [r["real"][metric] for r in rows if r["real"][metric] is not None]
+            errs = [r[metric] for r in rows if r[metric] is not None]
+            inside = [lo <= r["real"][metric] <= hi for r in rows
+                      if r["real"][metric] is not None and (r.get("sim_range") or {}).get(metric)
+                      for lo, hi in [r["sim_range"][metric]]]
+            target = TARGETS.get(metric)
+            cell[metric] = {
+                "real_min": min(real) if real else None, "real_max": max(real) if real else None,
+                "errors": errs,
+                "within_target": None if target is None else sum(abs(e) <= target for e in errs),
+                "real_in_sim_range": sum(inside), "n": len(errs)}
+        out["modes"][name] = cell
+    return out
+
+
+def print_summary(s: dict) -> None:
+    print(f"== {len(s['runs'])} runs: real min-max | signed errors | within target | real inside sim range")
+    for name, cell in s["modes"].items():
+        for metric, c in cell.items():
+            if not c["n"]:
+                continue
+            unit = 1e3 if metric == "tpot_mean" else 1.0
+            errs = " ".join(f"{e:+.0%}" for e in c["errors"])
+            tgt = "-" if c["within_target"] is None else f"{c['within_target']}/{c['n']}"
+            print(f"{name:<10} {metric:<12} {c['real_min'] * unit:8.3g}-{c['real_max'] * unit:<8.3g} "
+                  f"{errs:<24} {tgt:>5} {c['real_in_sim_range']}/{c['n']}")
