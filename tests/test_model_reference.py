@@ -123,3 +123,19 @@ def test_load_state_dict_errors_are_clear(tiny):
         fresh.load_state_dict_hf(extra)
     with pytest.raises(ValueError, match="1-D"):
         model(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), ContiguousAttention(cfg.num_layers))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9, 17])
+def test_skinny_linear_is_the_same_product(rows):
+    """The few-row path (W @ x^T, one row padded to two) computes x @ W^T:
+    same values to float rounding, same shape, a contiguous result."""
+    from pdd.model.llama import SKINNY_LOGITS_ROWS, linear
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 64, generator=g)
+    x = torch.randn(rows, 64, generator=g)
+    want = torch.nn.functional.linear(x, w)
+    for limit in (5, SKINNY_LOGITS_ROWS):
+        got = linear(x, w, limit)
+        assert got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
