@@ -8,6 +8,7 @@ import math
 
 from deploy_helpers import deployment_toml
 from pdd.cli import main as pdd_main
+from pdd.deploy.spec import load_spec
 
 REQUIRED = ["ttft_s", "tpot_s", "itl_s", "e2e_s", "goodput_rps", "cost_per_hour", "bcr", "wan_bytes",
             "uncached_kv_bytes", "rld_token_share", "handoff_gap_ratio", "num_requests", "num_failed"]
@@ -33,6 +34,13 @@ def test_bench_two_modes_writes_complete_summary(tmp_path, tiny_model_dir):
         assert m["cost_per_hour"] > 0 and m["bcr"] >= 0
         lines = (out / name / "records.jsonl").read_text().splitlines()
         assert len(lines) == 6
+        # CPU seconds each process spent during the workload: the engines did
+        # the work, the router and the emulated WAN line took their share.
+        cpu = m["cpu_s"]
+        names = {i.name for i in load_spec(out / name / "deploy.toml").instances}
+        assert names | {"router", "wan0", "bench_client"} <= set(cpu), cpu
+        assert all(v >= 0 for v in cpu.values())
+        assert cpu["p0"] > 0 and cpu["router"] > 0 and cpu["bench_client"] > 0
     assert summary["modes"]["pd-wan"]["wan_bytes"] > 0 and summary["modes"]["pd-wan"]["rld_token_share"] == 0
     assert "hit_rate_histogram" in json.dumps(summary["workload"])
     assert (out / "report.md").exists() and (out / "ttft_cdf.png").stat().st_size > 1000

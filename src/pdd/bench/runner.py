@@ -6,6 +6,9 @@ every mode), save what the simulator needs to replay the run (`<mode>/steps.json
 instance's engine steps; `<mode>/deploy.toml`: the deployment file), stop the
 deployment, write the mode's records.jsonl. Then write summary.json, the plots
 and report.md under `out`; `out/workload.json` holds the workload itself.
+Each mode's summary also carries `cpu_s`: the CPU seconds every process of
+the deployment (instances, router, WAN relay) and the bench client used
+while the workload ran.
 
 Deployments come from `pdd.deploy.launcher.Deployment.start(config_path,
 overrides, run_dir)`; tests pass a fake factory with the same shape. An
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -133,7 +137,9 @@ def run_mode(spec: ModeSpec, workload: Workload, out: Path, sla: Sla, client: di
         cfg = ClientConfig(base_url=dep.router_url, **client)
         if warmup:   # first forward passes are slow (allocations, lazy init): keep them out
             run_workload_sync(replace(cfg, fetch_trace=False), warmup_requests(workload, warmup))
+        cpu0 = cpu_seconds(dep)
         records, duration_s = run_workload_sync(cfg, workload.requests, progress.update)
+        cpu = {k: v - cpu0[k] for k, v in cpu_seconds(dep).items() if k in cpu0}
         save_run_artefacts(dep, spec, mode_dir)
     finally:
         progress.close()
@@ -142,8 +148,26 @@ def run_mode(spec: ModeSpec, workload: Workload, out: Path, sla: Sla, client: di
     summary = summarize_mode(records, sla, float(dep.cost_per_hour), duration_s)
     summary["hit_rate_histogram"] = hit_rate_histogram([r.hit_rate for r in records if not r.failed])
     summary.update({"config": spec.config_path, "overrides": spec.overrides,
-                    "deployment": getattr(dep, "name", spec.name), "startup_s": startup_s})
+                    "deployment": getattr(dep, "name", spec.name), "startup_s": startup_s,
+                    "cpu_s": cpu})
     return summary, records
+
+
+def cpu_seconds(dep) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) used so far by each process
+    of a real deployment (instances, router, WAN relay) and by this bench
+    client. The engines share two cores with all of them; the difference
+    over a run says how much of the machine went elsewhere than the engines.
+    """
+    out = {"bench_client": time.process_time()}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for p in getattr(dep, "procs", []) or []:
+        try:
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[p.name] = (int(fields[11]) + int(fields[12])) / tick   # utime, stime
+    return out
 
 
 def run_bench(modes: list[ModeSpec], workload: Workload, out: Path, sla: Sla,
