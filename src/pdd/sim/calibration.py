@@ -186,12 +186,12 @@ def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None]) -> No
             spans.setdefault(core, []).append((r["start_s"], r["start_s"] + r["wall_s"], r["name"]))
     for core, items in spans.items():
         items.sort()
-        ends: dict[str, list[dict]] = {}
+        undecided: dict[str, list[dict]] = {}     # per instance on this core
         for r in recs:
             if r["alone"] or core_of.get(r["name"]) != core or not r.get("start_s"):
                 continue
-            ends.setdefault(r["name"], []).append(r)
-        for name, mine in ends.items():
+            undecided.setdefault(r["name"], []).append(r)
+        for name, mine in undecided.items():
             others = [(s, e) for s, e, n in items if n != name]     # sorted by start
             starts = [s for s, _ in others]
             latest_end = list(itertools.accumulate((e for _, e in others), max))

@@ -301,14 +301,11 @@ class Cluster(TransfersMixin, DecodersMixin):
             evs: list[Event] = []
             # Only what the receiver lacks at its HAVE answer travels.
             if d.rld_id is not None:
-                rld = self.instances[d.rld_id]
-                lacks = self._facts(req).missing_kv_bytes(self._matched(rld, req))
-                evs += self._transfer(req, "rld", p, rld, lacks, t)
+                evs += self._transfer(req, "rld", p, self.instances[d.rld_id], t)
             if d.start_wan:
-                evs += self._transfer(req, "md", p, self.instances[d.md_id], d.missing_bytes, t)
+                evs += self._transfer(req, "md", p, self.instances[d.md_id], t)
             if req.warm_blocks:
-                size = req.warm_blocks * self.block_size * self.model.kv_bytes_per_token
-                evs += self._transfer(req, "warm", p, self.instances[d.md_id], size, t,
+                evs += self._transfer(req, "warm", p, self.instances[d.md_id], t,
                                       blocks=req.warm_blocks)
             return evs
         if self.manifest_wait:

@@ -6,7 +6,8 @@ estimators and event loop). A flow joins its link after one handshake RTT
 at its next step boundary, since it looks its prefix cache up on its engine
 thread). What crosses is what the receiver lacks when it answers HAVE, as
 the real receiver decides: blocks that landed for another request since
-the routing decision are not sent again. When it lands the receiver holds the whole KV (with `import_wait`,
+the routing decision are not sent again. When it lands the receiver holds
+the whole KV (with `import_wait`,
 only after the receiver's next step boundary, as a busy server imports
 blocks between steps), the link's estimator is fed the transfer as the
 router's is fed the real ones, and P frees the prompt's blocks once every
@@ -22,14 +23,14 @@ from pdd.sim.request import SimRequest
 
 class TransfersMixin:
     def _transfer(self, req: SimRequest, kind: str, src: SimInstance, dst: SimInstance,
-                  num_bytes: int, now: float, blocks: int | None = None) -> list[Event]:
+                  now: float, blocks: int | None = None) -> list[Event]:
         """Send the KV of the prompt's first `blocks` blocks (all by default)
-        less what `dst` holds at HAVE time; `num_bytes` is what the router
-        expected to cross (kept when `dst` has no cache)."""
+        less what `dst` holds when it answers HAVE."""
         name = self._link_name(src.datacenter, dst.datacenter)
         link = self.links[name]
         flow_id = f"{req.spec.request_id}/{kind}"
-        self.flows[flow_id] = (req, kind, dst.instance_id, now, num_bytes, name)
+        # Its size is known at HAVE time (set in `join`).
+        self.flows[flow_id] = (req, kind, dst.instance_id, now, None, name)
         self.flow_steps[flow_id] = dst.num_steps
         req.pending_transfers += 1
         if kind == "md":
@@ -38,16 +39,9 @@ class TransfersMixin:
         def join(t: float) -> list[Event]:
             if flow_id not in self.flows:
                 return []       # cancelled during the handshake
-            nb = num_bytes
-            if dst.cache is not None:          # the receiver's HAVE, as of now
-                ids = req.spec.block_ids if blocks is None else req.spec.block_ids[:blocks]
-                held = dst.cache.match(ids)
-                if blocks is None:
-                    nb = self._facts(req).missing_kv_bytes(min(held * self.block_size, req.spec.prompt_tokens))
-                else:
-                    nb = (blocks - held) * self.block_size * self.model.kv_bytes_per_token
-                entry = self.flows[flow_id]
-                self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
+            nb = self._lacking_bytes(req, dst, blocks)     # the receiver's HAVE, as of now
+            entry = self.flows[flow_id]
+            self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
             nxt = link.add(t, flow_id, nb)
             return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
 
@@ -63,6 +57,13 @@ class TransfersMixin:
             dst.wait_boundaries(1, back)
             return self._kick(dst, t)          # busy: a macro step ends at the next boundary
         return [self._later(link.rtt_s / 2, name, have)]
+
+    def _lacking_bytes(self, req: SimRequest, dst: SimInstance, blocks: int | None) -> int:
+        """KV bytes of the prompt (or of its first `blocks` blocks) `dst` does not hold."""
+        if blocks is None:
+            return self._facts(req).missing_kv_bytes(self._matched(dst, req))
+        held = dst.cache.match(req.spec.block_ids[:blocks]) if dst.cache is not None else 0
+        return (blocks - held) * self.block_size * self.model.kv_bytes_per_token
 
     def _on_transfer_done(self, ev: Event) -> list[Event]:
         link = self.links[ev.key]

@@ -91,7 +91,7 @@ def validate(run: Path, calibration: CpuCalibration | None = None,
     for m in modes:
         real = summary["modes"][m.name]
         runs = [run_runtime_mode(m, workload, sla, calibration, dataclasses.replace(opts, seed=opts.seed + k))
-                for k in range(seeds if opts.step_jitter else 1)]
+                for k in range(out["seeds"])]
         row: dict = {"real": {k: _get(real, *v) for k, v in METRICS.items()}, "sim": {}, "sim_range": {}}
         for metric, (key, sub) in METRICS.items():
             vals = [v for v in (_get(entry, key, sub) for entry, _, _ in runs) if v is not None]
