@@ -118,3 +118,54 @@ def test_cached_prefix_blocks_are_shared_not_counted_twice():
     i.release(job.num_blocks)
     i.unshare(job.shared)
     assert i.used_blocks == 0 and i.cache.num_pinned == 0 and i.free_blocks == 100
+
+
+def test_row_factors_scale_steps_by_their_rows():
+    """A calibrated engine's kernels by rows per step: a step of n tokens
+    takes row_factors[row_bucket(n) - 1] x the model, decode-only or with a
+    chunk; rows past the table keep the model's time."""
+    from pdd.sim.cost_model import row_bucket
+
+    def step_s(factors, batch, chunk=0):
+        i = SimInstance("i0", Role.MAIN, "a", COST, max_batch=8, token_budget=1000, block_size=16,
+                        kv_blocks=10_000, cache=False, max_macro_steps=1, row_factors=factors)
+        for k in range(batch):
+            r = req(f"s{k}", out=20)
+            r.num_generated = 1
+            i.add_seq(Seq(r, 101, 8, relay=False))
+        if chunk:
+            i.add_job(Job(req("p", chunk), JobKind.PREFILL, chunk, 0, chunk // 16 + 1))
+        return i.start_step(0.0)
+    assert [row_bucket(n) for n in (1, 16, 17, 32, 33, 64, 65, 512, 513)] == [1, 16, 17, 17, 18, 18, 19, 21, 22]
+    table = (1.0, 0.5) + (1.0,) * 15 + (1.25,)         # 2 rows: 0.5; 33-64 rows: 1.25
+    for b in (1, 2, 3):
+        assert step_s(table, b) == pytest.approx(step_s((), b) * (0.5 if b == 2 else 1.0))
+    assert step_s(table, 2, chunk=40) == pytest.approx(step_s((), 2, chunk=40) * 1.25)
+    assert step_s(table, 2, chunk=200) == pytest.approx(step_s((), 2, chunk=200))
+
+
+def test_a_fresh_sequence_recomputes_its_partial_block_in_its_first_step():
+    """Only whole blocks cross: a decoder's first step for a transferred
+    request computes the prompt's partial last block and P's first token (a
+    small chunk), later steps one token; the step's rows count the chunk."""
+    def steps(first):
+        i = SimInstance("i0", Role.MAIN, "a", COST, max_batch=8, token_budget=1000, block_size=16,
+                        kv_blocks=10_000, cache=False, max_macro_steps=1, row_factors=(0.5, 0.5))
+        seqs = []
+        for k, f in enumerate((1, first)):
+            r = req(f"s{k}", prompt=1000, out=4)
+            r.num_generated = 1
+            seqs.append(Seq(r, 1001, 70, relay=False))
+            seqs[-1].first = f
+            i.add_seq(seqs[-1])
+        out, now = [], 0.0
+        while (t := i.start_step(now)) is not None:
+            out.append(t - now)
+            i.end_step(t)
+            now = t
+        return out, seqs
+    plain, _ = steps(1)
+    fresh, seqs = steps(9)
+    assert fresh[1:] == pytest.approx(plain[1:]) and all(s.first == 1 for s in seqs)
+    # 8 more tokens in the first step (10 rows: no factor) against 2 rows at 0.5
+    assert fresh[0] > 2 * plain[0]

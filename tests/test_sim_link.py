@@ -56,3 +56,17 @@ def test_remaining_estimate():
     link.add(0.0, "a", 100)
     link.add(0.0, "b", 300)
     assert link.remaining_s("a", 0.0) == pytest.approx(2.0)
+
+
+def test_shared_efficiency_costs_only_while_flows_share():
+    """A CPU core time-sliced between two engines (seconds of work as bytes)
+    keeps `shared_efficiency` of its capacity while both run, all of it alone."""
+    core = Link("core1", 1.0, 0.0, shared_efficiency=0.8)
+    assert drain(core, core.add(0.0, "alone", 1.0)) == {"alone": pytest.approx(1.0)}
+    core.add(10.0, "a", 1.0)
+    assert drain(core, core.add(10.0, "b", 1.0)) == {"a": pytest.approx(12.5), "b": pytest.approx(12.5)}
+    # a alone for 0.5 s, then 0.4 each: a's last 0.5 takes 1.25 s; b then finishes alone.
+    core.add(20.0, "a", 1.0)
+    assert drain(core, core.add(20.5, "b", 1.0)) == {"a": pytest.approx(21.75), "b": pytest.approx(22.25)}
+    with pytest.raises(ValueError, match="shared_efficiency"):
+        Link("core2", 1.0, 0.0, shared_efficiency=0.0)

@@ -227,6 +227,19 @@ def test_validate_a_bench_folder(tmp_path):
     assert cell["within_target"] == sum(abs(e) <= 0.10 for e in cell["errors"]) >= 1
     assert cell["real_min"] == cell["real_max"] == exact["modes"]["pd-local"]["real"]["ttft_p90"]
     assert s["modes"]["pd-local"]["goodput_rps"]["within_target"] is None
+    tot = s["totals"]["ttft_p90"]
+    assert tot["n"] == 4 and tot["within_target"] == sum(
+        s["modes"][m]["ttft_p90"]["within_target"] for m in ("pd-local", "pdd"))
+    assert "goodput_rps" not in s["totals"]
+    # Pooled over both runs: the simulator's own "measurements" again, so the
+    # pooled percentiles agree as well (seed 0 is in both replays).
+    pooled = summarize([exact, exact])["pooled"]
+    assert pooled.keys() == {"pd-local", "pdd"}
+    for row in pooled.values():
+        assert row["runs"] == 2
+        for metric in ("ttft_p50", "ttft_p90", "tpot_mean"):
+            assert row[metric]["error"] == pytest.approx(0.0, abs=1e-9)
+    assert len(exact["modes"]["pdd"]["samples"]["real"]["ttft_s"]) == len(wl.requests)
 
 
 def test_calibration_fits_each_role_its_own_fixed_costs(tmp_path):
@@ -376,16 +389,22 @@ def test_filtered_requests_with_a_hot_shared_prefix_warm_md():
     assert n0.pipeline == "direct" and n0.wan_bytes == 3 * kv_block
 
 
-def test_steps_of_a_shared_core_count_as_alone_when_no_neighbour_ran(tmp_path):
-    """MD and RLD share core 1 in examples/pdd.toml: an MD step during which
-    RLD ran no step measures MD's own speed and joins the fit; one that
-    overlapped an RLD step carries RLD's time slices and does not."""
+def _pdd_run_folder(tmp_path: Path):
+    """A bench mode folder of examples/pdd.toml: (folder, spec, MD's name, RLD's name)."""
     d = tmp_path / "run" / "pdd"
     d.mkdir(parents=True)
     (d / "deploy.toml").write_text((EXAMPLES / "pdd.toml").read_text())
     spec = load_spec(d / "deploy.toml")
     md = next(i.name for i in spec.instances if i.role.value == "main")
     rld = next(i.name for i in spec.instances if i.role.value == "relay")
+    return d, spec, md, rld
+
+
+def test_steps_of_a_shared_core_count_as_alone_when_no_neighbour_ran(tmp_path):
+    """MD and RLD share core 1 in examples/pdd.toml: an MD step during which
+    RLD ran no step measures MD's own speed and joins the fit; one that
+    overlapped an RLD step carries RLD's time slices and does not."""
+    d, spec, md, rld = _pdd_run_folder(tmp_path)
     step = {"num_prefill_tokens": 0, "num_decode_tokens": 2, "batch_size": 2, "context_lens": [500, 600]}
     rows = [
         {"instance": md, "start_s": 100.0, "wall_s": 0.5, **step},    # alone
@@ -403,3 +422,82 @@ def test_steps_of_a_shared_core_count_as_alone_when_no_neighbour_ran(tmp_path):
     recs = load_records([tmp_path / "run"])[1]
     assert [(r["name"], r["start_s"]) for r in recs] == [(md, 100.0), (md, 101.7), (rld, 102.0)]
     assert all(r["alone"] and r["group"] == "decode" for r in recs)
+
+
+def test_calibration_measures_batch_kernels_and_a_shared_core(tmp_path):
+    """Steps made by a known engine: batch-2 decode steps 20% under the smooth
+    model, batch-4 ones 20% over it; MD and RLD (core 1 in examples/pdd.toml)
+    sometimes step together, each at 0.8 / 2 of the core meanwhile. The fit
+    finds both and the replayed mode carries them."""
+    from pdd.sim.calibration import _speed_factor
+
+    model = get_model("smollm2-135m")
+    truth = CostModel(model, get_profile("cpu"), mfu=0.4, mbu=0.5, overhead_s=0.01, per_seq_s=0.005)
+    kernel = {1: 1.0, 2: 0.8, 3: 1.0, 4: 1.2}
+    eff = 0.8
+    rng = random.Random(3)
+    d, spec, md, rld = _pdd_run_folder(tmp_path)
+
+    def decode(b: int) -> tuple[dict, float]:
+        rec = {"num_prefill_tokens": 0, "num_decode_tokens": b, "batch_size": b,
+               "context_lens": [rng.randint(500, 1500) for _ in range(b)]}
+        return rec, truth.step_time(StepShape.from_record(rec)) * kernel[b] * rng.uniform(0.98, 1.02)
+
+    rows, t = [], 1000.0
+    for k in range(400):
+        if k % 4 == 3:      # both step at once: each ends after 2 A / eff
+            rec, alone = decode(2)
+            wall = 2 * alone / eff
+            for name in (md, rld):
+                rows.append({"instance": name, "start_s": t, "wall_s": wall, **rec})
+            t += wall + 0.001
+        else:               # one alone
+            rec, wall = decode(rng.randint(1, 4))
+            rows.append({"instance": md if k % 2 else rld, "start_s": t, "wall_s": wall, **rec})
+            t += wall + 0.001
+    (d / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cal = fit([tmp_path / "run"], model)
+    f = cal.fit_for(1, "main")
+    bf = f.row_factors
+    assert len(bf) == 4
+    fitted = CostModel(model, get_profile("cpu"), mfu=f.mfu, mbu=f.mbu, overhead_s=f.overhead_s,
+                       per_seq_s=f.per_seq_s)
+    for b in (1, 2, 3, 4):      # the smooth fit alone misses by up to ~12%; with the factors, <4%
+        s = StepShape(0, b, b, (1000,) * b)
+        real = truth.step_time(s) * kernel[b]
+        assert fitted.step_time(s) * bf[b - 1] * cal.instance_load[f"pdd/{md}"] == pytest.approx(real, rel=0.04)
+    assert cal.core_sharing == pytest.approx(eff, abs=0.05)
+    mode = mode_from_spec(spec, "pdd", cal, run="pdd")
+    assert mode.core_sharing == cal.core_sharing
+    assert {p.name: p.row_factors for p in mode.pools}[md] == bf
+    again = CpuCalibration.from_dict(json.loads(json.dumps(cal.to_dict())))
+    assert again.core_sharing == cal.core_sharing and again.fit_for(1, "relay").row_factors == bf
+    # An instance's speed is its mean ratio (TPOT is a mean), a gross outlier left out.
+    assert _speed_factor([(1.0, 1.0), (1.0, 1.0), (1.3, 2.0)]) == pytest.approx(1.15)
+    assert _speed_factor([(1.0, 1.0)] * 9 + [(10.0, 1.0)]) == pytest.approx(1.0)
+
+
+def test_everything_due_at_a_step_boundary_runs_before_the_next_step():
+    """As the server's engine loop drains every queued command between two
+    steps, two submits due at one boundary both join the step after it: the
+    first one's kick must not start that step without the second."""
+    from pdd.sim.instance import Seq
+    from pdd.sim.request import RequestSpec, SimRequest
+
+    spec = load_spec(EXAMPLES / "pd-local.toml")
+    mode = mode_from_spec(spec, "pd-local")
+    sc = Scenario(model_shape(spec), None, Sla(60.0, 1.0), (mode,), SimSettings(drain_s=1e6))
+    cluster = Cluster(mode, sc, BenchStream(chain_workload(), 16))
+    d = next(i for i in cluster.instances.values() if i.role is Role.DECODE)
+
+    def seq(rid: str) -> Seq:
+        r = SimRequest(RequestSpec(rid, 0.0, 100, 50, 50, ()))
+        r.num_generated = 1
+        return Seq(r, 101, 8, relay=False)
+
+    d.add_seq(seq("running"))
+    (end,) = cluster._kick(d, 0.0)                 # a decode step under way
+    for rid in ("x", "y"):
+        d.wait_boundaries(1, lambda t, s=seq(rid): cluster._submit(d, s, t))
+    cluster._step_done(d, end.time)
+    assert sorted(s.req.spec.request_id for s in d._batch) == ["running", "x", "y"]

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="small workload: four modes in a few minutes on a CPU")
     parser.add_argument("--preset", choices=tuple(agentic.PRESETS), default=None,
                         help="agentic workload preset (--quick = --preset quick; validate: "
-                             "40 requests, steadier percentiles for pdd sim --validate)")
+                             "42 requests, steadier percentiles for pdd sim --validate)")
     parser.add_argument("--sla-ttft", type=float, default=DEFAULT_SLA_TTFT_S, metavar="S")
     parser.add_argument("--sla-tpot", type=float, default=DEFAULT_SLA_TPOT_S, metavar="S")
     parser.add_argument("--ablation", action="append", default=[], metavar="[BASE:]NAME",

@@ -20,9 +20,13 @@ per-token term: it then made 512-token chunks ~8% too slow and 80-token
 warm-turn chunks ~9% too fast. An instance whose role has no fit of its own
 uses the pooled one.
 
-Replaying a run, each instance runs at its own measured speed: the median
+Replaying a run, each instance runs at its own measured speed: the mean
 measured / fitted time of its own unshared steps (`instance_load`), else
-its run's `load` (against the pooled fit).
+its run's `load` (against the pooled fit). Two more things the roofline
+cannot know are measured from the same steps: a decode step's factor by
+number of rows it multiplies (`ThreadFit.row_factors`: the engine's
+kernels change with the rows), and what a core two engines time-slice keeps of its
+speed (`core_sharing`, from the steps MD and RLD ran at the same time).
 
 The Prometheus text saved beside (metrics/*.prom) adds what KV transfers
 really achieve per link: bytes sent over seconds spent, per run.
@@ -43,7 +47,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pdd.sim.cost_model import CostModel, StepShape, calibrate
+from pdd.sim.cost_model import CostModel, StepShape, calibrate, row_bucket
 from pdd.sim.hardware import get_profile
 from pdd.sim.model_shape import ModelShape
 
@@ -75,6 +79,9 @@ class ThreadFit:
     # Robust sigma of log(measured / fitted) over the fitted steps: the
     # scatter the simulator draws each step's time from (`step_jitter`).
     jitter: float = 0.0
+    # A step of n tokens takes row_factors[row_bucket(n) - 1] x the fit (1.0
+    # past the end): what the roofline's smooth curve in the rows misses.
+    row_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,9 @@ class CpuCalibration:
     # step time of its own steps against its role's fit. Replaying that run,
     # the instance runs at this speed (others at their run's `load`).
     instance_load: dict[str, float] = field(default_factory=dict)
+    # Throughput of a core two busy engines time-slice, relative to one
+    # engine alone (`core_sharing`); 1.0 without shared-core steps to tell.
+    core_sharing: float = 1.0
 
     def fit_for(self, num_threads: int, role: str | None = None) -> ThreadFit | None:
         """The role's own fit at this thread count, else the pooled one.
@@ -129,21 +139,23 @@ class CpuCalibration:
         return None
 
     def to_dict(self) -> dict:
-        dump = lambda fits: {str(k): {**vars(f), "instances": list(f.instances)}
+        dump = lambda fits: {str(k): {**vars(f), "instances": list(f.instances),
+                                      "row_factors": list(f.row_factors)}
                              for k, f in sorted(fits.items())}
         return {"model": self.model, "hardware": "cpu", "fits": dump(self.fits),
                 "role_fits": {g: dump(f) for g, f in sorted(self.role_fits.items())},
                 "load": dict(self.load), "instance_load": dict(self.instance_load),
-                "transfer": self.transfer}
+                "core_sharing": self.core_sharing, "transfer": self.transfer}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CpuCalibration":
-        read = lambda fits: {int(k): ThreadFit(**{**v, "instances": tuple(v.get("instances", ()))})
+        read = lambda fits: {int(k): ThreadFit(**{**v, "instances": tuple(v.get("instances", ())),
+                                                  "row_factors": tuple(v.get("row_factors", ()))})
                              for k, v in fits.items()}
         return cls(d.get("model", "?"), read(d.get("fits", {})), dict(d.get("load", {})),
                    dict(d.get("transfer", {})),
                    {g: read(f) for g, f in d.get("role_fits", {}).items()},
-                   dict(d.get("instance_load", {})))
+                   dict(d.get("instance_load", {})), float(d.get("core_sharing", 1.0)))
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -178,7 +190,9 @@ def _instances(steps_path: Path) -> dict[str, tuple[int, bool, str, int | None]]
 
 def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None]) -> None:
     """A step of an instance that shares its core counts as alone when no
-    step of its neighbours overlapped it (by the steps' wall-clock starts)."""
+    step of its neighbours overlapped it (by the steps' wall-clock starts);
+    one that did gains "overlap_s", the seconds its neighbours' steps ran
+    during it."""
     spans: dict[int, list[tuple[float, float, str]]] = {}
     for r in recs:
         core = core_of.get(r["name"])
@@ -199,16 +213,18 @@ def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None]) -> No
                 a, b = r["start_s"], r["start_s"] + r["wall_s"]
                 j = bisect.bisect_left(starts, b)          # neighbours' steps starting before b
                 r["alone"] = j == 0 or latest_end[j - 1] <= a
+                overlap = 0.0
+                while j > 0 and latest_end[j - 1] > a:     # back to the first that ends after a
+                    j -= 1
+                    overlap += max(0.0, min(b, others[j][1]) - max(a, others[j][0]))
+                r["overlap_s"] = overlap
 
 
-def load_records(paths: list[Path]) -> dict[int, list[dict]]:
-    """Step records grouped by thread count, shared-core instances last resort.
-
-    Each record gains "run" (its folder), "instance" ("run/name"), "alone"
-    and "group" (its instance's role group).
-    """
-    alone: dict[int, list[dict]] = {}
-    shared: dict[int, list[dict]] = {}
+def read_records(paths: list[Path]) -> list[dict]:
+    """Every step record under `paths`, each with "run" (its folder),
+    "instance" ("run/name"), "alone", "group" (its instance's role group)
+    and "threads"."""
+    out: list[dict] = []
     for f in step_files(paths):
         info = _instances(f)
         tag = f.parent.name
@@ -223,9 +239,41 @@ def load_records(paths: list[Path]) -> dict[int, list[dict]]:
                        threads=threads)
             recs.append(rec)
         _mark_unshared_steps(recs, {n: v[3] for n, v in info.items() if not v[1]})
-        for rec in recs:
-            (alone if rec["alone"] else shared).setdefault(rec["threads"], []).append(rec)
+        out += recs
+    return out
+
+
+def load_records(paths: list[Path], recs: list[dict] | None = None) -> dict[int, list[dict]]:
+    """Step records (`read_records`) grouped by thread count, those of
+    shared-core instances that overlapped a neighbour only as a last resort."""
+    alone: dict[int, list[dict]] = {}
+    shared: dict[int, list[dict]] = {}
+    for rec in read_records(paths) if recs is None else recs:
+        (alone if rec["alone"] else shared).setdefault(rec["threads"], []).append(rec)
     return {t: alone.get(t) or shared[t] for t in sorted(set(alone) | set(shared))}
+
+
+def core_sharing(recs: list[dict], model_of) -> float | None:
+    """Throughput of a core time-sliced between two busy engines, as a
+    fraction of one engine's alone (1.0: a perfect processor sharing).
+
+    Over the steps that overlapped a neighbour's: a step of A seconds alone
+    that overlapped neighbours' steps for O seconds takes A + O (1 - e/2)
+    when each runs at e/2 while both do. Pooled: e = 2 (1 - sum(W - A) /
+    sum O). `model_of(rec)` is the step's alone time, fit x instance speed.
+    Measured here for MD and RLD on one core: e ~ 0.9, two processes
+    sharing a core lose ~10% to switching and to each other's caches.
+    """
+    extra = overlap = 0.0
+    for r in recs:
+        o = r.get("overlap_s") or 0.0
+        if r["alone"] or o < 0.2 * r["wall_s"]:
+            continue
+        extra += r["wall_s"] - model_of(r)
+        overlap += o
+    if overlap < 5.0:
+        return None
+    return min(1.0, max(0.5, 2 * (1 - extra / overlap)))
 
 
 def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
@@ -236,14 +284,21 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
     relative error is dropped and the fit repeated: the first steps of a
     process (lazy allocations) and steps slowed by a foreign process would
     otherwise pull every coefficient.
+
+    Then, in order: each instance's speed (`instance_load`), each role fit's
+    row factors (`row_factors`, against the instances' speeds),
+    the instances' speeds again with those factors, and what a shared core
+    keeps (`core_sharing`).
     """
     fits: dict[int, ThreadFit] = {}
     role_fits: dict[str, dict[int, ThreadFit]] = {}
     # (measured / fitted, weight): a decode step weighs the tokens it makes,
     # as in the fit, so a factor describes the steps that make the tokens.
     ratios: dict[str, list[tuple[float, float]]] = {}
-    own_ratios: dict[str, list[tuple[float, float]]] = {}
-    for threads, recs in load_records(paths).items():
+    every = read_records(paths)
+    models: dict[tuple[int, str], CostModel] = {}     # (threads, group) -> its fitted model
+    alone: list[dict] = []
+    for threads, recs in load_records(paths, every).items():
         if len(recs) < 3:
             continue
         base = CostModel(model, get_profile(hardware), chips=threads)
@@ -256,17 +311,125 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
         for group, grecs in sorted(groups.items()):
             if len(grecs) >= MIN_ROLE_RECORDS:
                 role_fits.setdefault(group, {})[threads], own[group] = _fit_group(grecs, base, drop_outliers)
+        for group in ("prefill", "decode", "colocated"):
+            models[threads, group] = own.get(group, pooled)
         for r in recs:
             if r["alone"]:
-                shape = StepShape.from_record(r)
                 # A run's load against one reference for all runs: the pooled fit.
-                w = float(max(r["num_decode_tokens"], 1))
-                ratios.setdefault(r["run"], []).append((r["wall_s"] / pooled.step_time(shape), w))
-                m = own.get(r["group"], pooled)
-                own_ratios.setdefault(r["instance"], []).append((r["wall_s"] / m.step_time(shape), w))
-    load = {run: _weighted_median(v) for run, v in sorted(ratios.items()) if len(v) >= 10}
-    instance_load = {i: _weighted_median(v) for i, v in sorted(own_ratios.items()) if len(v) >= 10}
-    return CpuCalibration(model.name, fits, load, transfer_rates(paths), role_fits, instance_load)
+                t = pooled.step_time(StepShape.from_record(r))
+                ratios.setdefault(r["run"], []).append((r["wall_s"] / t, _weight(r, t)))
+                r["fitted_s"] = models[threads, r["group"]].step_time(StepShape.from_record(r))
+                alone.append(r)
+    load = {run: _speed_factor(v) for run, v in sorted(ratios.items()) if len(v) >= 10}
+    instance_load = _instance_speeds(alone, {})
+    factors = _row_factors(alone, instance_load)
+    for (group, threads), rf in factors.items():
+        if threads in role_fits.get(group, {}):
+            role_fits[group][threads] = replace(role_fits[group][threads], row_factors=rf)
+    rows = {(g, t): f.row_factors for g, byt in role_fits.items() for t, f in byt.items()}
+    instance_load = _instance_speeds(alone, rows)
+
+    def alone_s(r: dict) -> float:
+        m = models.get((r["threads"], r["group"]))
+        if m is None:
+            return math.inf
+        speed = instance_load.get(r["instance"], load.get(r["run"], 1.0))
+        return speed * m.step_time(StepShape.from_record(r)) * _row_factor(r, rows)
+    sharing = core_sharing([r for r in every if (r["threads"], r["group"]) in models], alone_s)
+    return CpuCalibration(model.name, fits, load, transfer_rates(paths), role_fits, instance_load,
+                          1.0 if sharing is None else sharing)
+
+
+def _weight(r: dict, fitted_s: float) -> float:
+    """What a step's measured / fitted ratio weighs in a speed factor.
+
+    A decoder's step weighs the tokens it makes (TPOT is a per-token mean);
+    a prefill step its fitted seconds, so the factor is total measured over
+    total fitted time, the long chunks that make the cold TTFTs counting for
+    what they take. Equal weights had let the many short warm-turn chunks,
+    which run 0-40% over the fit while a prompt's KV is sent on the same
+    core, set P's speed for its 512-token chunks, which ran 5-25% under it:
+    the replay's cold turns came out 9-16% slow.
+    """
+    if r["group"] == "prefill":
+        return fitted_s
+    return float(max(r["num_decode_tokens"], 1))
+
+
+def _rows(r: dict) -> int:
+    return int(r["num_prefill_tokens"]) + int(r["num_decode_tokens"])
+
+
+def _row_factor(r: dict, rows: dict[tuple[str, int], tuple[float, ...]]) -> float:
+    """The row factor of a step's row class under its role fit (1.0 without one)."""
+    rf = rows.get((r["group"], r["threads"]), ())
+    k = row_bucket(_rows(r))
+    return rf[k - 1] if k <= len(rf) else 1.0
+
+
+def _instance_speeds(alone: list[dict], rows: dict) -> dict[str, float]:
+    """Per instance: measured / (fitted x row factor) over its own steps."""
+    own: dict[str, list[tuple[float, float]]] = {}
+    for r in alone:
+        own.setdefault(r["instance"], []).append(
+            (r["wall_s"] / (r["fitted_s"] * _row_factor(r, rows)), _weight(r, r["fitted_s"])))
+    return {i: _speed_factor(v) for i, v in sorted(own.items()) if len(v) >= 10}
+
+
+# A row class needs this many steps for a factor of its own; the factor
+# is pulled towards 1 as if ROW_PRIOR more steps had measured 1.
+MIN_ROW_STEPS = 20
+ROW_PRIOR = 10
+
+
+def _row_factors(alone: list[dict], speeds: dict[str, float]) -> dict[tuple[str, int], tuple[float, ...]]:
+    """Per (role group, threads): mean measured / (fitted x instance speed)
+    of its steps, by row class (`row_bucket` of the step's tokens).
+
+    The roofline's time is smooth in the rows a step multiplies; the
+    engine's is not. Its linear layers take W @ x^T up to 5 rows and x @ W^T
+    above, and MKL's kernels differ by shape: measured here, batch-2 decode
+    steps run 8-17% under the smooth fit and batch-5 ones 7-20% over it,
+    in every run; a decoder that sits at one batch size for a while (MD at
+    7-8) was off by as much. Chunks differ too: on the colocated engine a
+    warm turn's ~80-token chunk with six decodes ran 4-10% over the fit,
+    a 512-token chunk 2-8% under it.
+    """
+    by: dict[tuple[str, int], dict[int, list[tuple[float, float]]]] = {}
+    for r in alone:
+        speed = speeds.get(r["instance"], 1.0)
+        by.setdefault((r["group"], r["threads"]), {}).setdefault(row_bucket(_rows(r)), []).append(
+            (r["wall_s"] / (r["fitted_s"] * speed), 1.0))
+    out = {}
+    for key, classes in by.items():
+        enough = [k for k, v in classes.items() if len(v) >= MIN_ROW_STEPS]
+        if not enough:
+            continue
+        row = []
+        for k in range(1, max(enough) + 1):
+            v = classes.get(k, [])
+            if len(v) < MIN_ROW_STEPS:
+                row.append(1.0)
+                continue
+            f = _speed_factor(v)
+            row.append(round((len(v) * f + ROW_PRIOR) / (len(v) + ROW_PRIOR), 4))
+        out[key] = tuple(row)
+    return out
+
+
+def _speed_factor(pairs: list[tuple[float, float]]) -> float:
+    """Weighted mean of measured / fitted, steps over 3x the median left out.
+
+    The mean, not the median: TPOT is a mean over tokens, and the simulator
+    draws each step from a mean-1 jitter. On this machine a decoder's mean
+    ratio is 1-4% above its median (a slow step is slower by more than a
+    fast one is faster), which a median factor had left out of every TPOT.
+    Steps over 3x the median (a first step, a foreign process's burst) are
+    not what the instance's speed is.
+    """
+    med = _weighted_median(pairs)
+    kept = [(r, w) for r, w in pairs if r <= 3 * med]
+    return sum(r * w for r, w in kept) / sum(w for _, w in kept)
 
 
 def _weighted_median(pairs: list[tuple[float, float]]) -> float:

@@ -25,7 +25,9 @@ real servers add around their engines: the router's own latency before a
 request reaches P, each token's trip from its instance to the user, and CPU
 cores shared by several instances. A shared core is a processor-sharing
 server (the `Link` arithmetic with seconds of work for bytes): the steps of
-its instances interleave, each running at 1/n speed while n are busy.
+its instances interleave, each running at e/n speed while n > 1 are busy,
+where e (`ModeSpec.core_sharing`, calibrated, ~0.9 here) is what switching
+between processes leaves of the core.
 
 Arrival, routing, prefill and steps live here; KV flows in `transfers.py`
 (`TransfersMixin`) and the decoders' side (eager tokens, live filter, handoff)
@@ -84,10 +86,12 @@ class Cluster(TransfersMixin, DecodersMixin):
                 self.instances[iid] = SimInstance(
                     iid, pool.role, pool.datacenter, cost, pool.max_batch, pool.token_budget,
                     self.block_size, blocks, cache, macro, pool.chunk_packing == "single",
-                    jitter=pool.step_jitter, seed=zlib.crc32(f"{mode.seed}/{iid}".encode()))
+                    jitter=pool.step_jitter, seed=zlib.crc32(f"{mode.seed}/{iid}".encode()),
+                    row_factors=pool.row_factors)
                 if pool.core in shared:
                     self.core_of[iid] = f"core{pool.core}"
-        self.cores = {c: Link(c, 1.0, 0.0, 1.0) for c in sorted(set(self.core_of.values()))}
+        self.cores = {c: Link(c, 1.0, 0.0, 1.0, shared_efficiency=mode.core_sharing)
+                      for c in sorted(set(self.core_of.values()))}
         self.colocated = [i for i in self.instances.values() if i.role is Role.COLOCATED]
         dcs = sorted({i.datacenter for i in self.instances.values()})
         self.links = {f"rdma-{dc}": Link(f"rdma-{dc}", mode.rdma.bandwidth_bytes_s, mode.rdma.rtt_s,
@@ -156,6 +160,8 @@ class Cluster(TransfersMixin, DecodersMixin):
         return self.links[self._link_name(a.datacenter, b.datacenter)].rtt_s / 2
 
     def _kick(self, inst: SimInstance, now: float) -> list[Event]:
+        if inst.at_boundary:
+            return []           # `_step_done` starts the next step once all it runs has run
         if inst.busy:
             t = inst.interrupt(now)
             return [] if t is None else [Event(t, EventKind.STEP_END, inst.instance_id, inst.version)]
@@ -259,19 +265,30 @@ class Cluster(TransfersMixin, DecodersMixin):
         return self._step_done(inst, ev.time)
 
     def _step_done(self, inst: SimInstance, now: float) -> list[Event]:
+        """A step boundary: what waited for it runs, then the next step starts.
+
+        As the server's engine loop runs every queued command before its
+        next step, nothing run here starts a step of `inst` (its `_kick`s
+        wait): a request that lands and is submitted at this boundary joins
+        the next step, whichever callback came first.
+        """
         due = inst.tick_waiters(inst.current_num_steps)
         out = inst.end_step(now)
         evs: list[Event] = []
-        for fn in due:
-            evs += fn(now)
-        for job in out.jobs_done:
-            evs += (self._on_prefill_done(inst, job, now) if job.kind is JobKind.PREFILL
-                    else self._on_extend_done(inst, job, now))
-        for seq in out.seqs_ended:
-            evs += self._on_seq_ended(inst, seq, now)
-        if inst.role is Role.RELAY:
-            for seq in list(inst.decoding):
-                evs += self._maybe_cancel(seq.req, inst, now)
+        inst.at_boundary = True
+        try:
+            for fn in due:
+                evs += fn(now)
+            for job in out.jobs_done:
+                evs += (self._on_prefill_done(inst, job, now) if job.kind is JobKind.PREFILL
+                        else self._on_extend_done(inst, job, now))
+            for seq in out.seqs_ended:
+                evs += self._on_seq_ended(inst, seq, now)
+            if inst.role is Role.RELAY:
+                for seq in list(inst.decoding):
+                    evs += self._maybe_cancel(seq.req, inst, now)
+        finally:
+            inst.at_boundary = False
         return evs + self._kick(inst, now)
 
     def _on_admitted(self, inst: SimInstance, now: float) -> list[Event]:

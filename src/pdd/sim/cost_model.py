@@ -48,6 +48,16 @@ class StepShape:
         return sum(ctx) + self.num_prefill_tokens * max(longest - self.num_prefill_tokens / 2, 0)
 
 
+def row_bucket(rows: int) -> int:
+    """The row-count class of a step (its tokens, the rows of its matmuls):
+    1-16 as themselves, then one class per doubling (17-32 -> 17, 33-64 ->
+    18, ..., 257-512 -> 21). Calibrated CPU profiles scale a step by the
+    factor of its class (`PoolSpec.row_factors`)."""
+    if rows <= 16:
+        return max(rows, 1)
+    return 12 + (rows - 1).bit_length()
+
+
 def chunk_pairs(start: int, length: int) -> float:
     """Attention pairs of a prefill chunk covering positions [start, start + length)."""
     return length * start + length * (length + 1) / 2

@@ -29,6 +29,7 @@ class DecodersMixin:
         req.rld_seq = Seq(req, s.prompt_tokens + 1,
                           rld.blocks_for(s.prompt_tokens + s.max_tokens) - len(shared),
                           relay=True, shared=shared)
+        req.rld_seq.first = self._first_step_tokens(s.prompt_tokens)
         evs = self._submit(rld, req.rld_seq, now)
         if req.md_ready_pending is not None:
             fn, req.md_ready_pending = req.md_ready_pending, None
@@ -61,9 +62,19 @@ class DecodersMixin:
         blocks -= len(shared)
         if req.decision.pipeline is Pipeline.DIRECT:
             req.md_seq = Seq(req, s.prompt_tokens + 1, blocks, relay=False, shared=shared)
+            req.md_seq.first = self._first_step_tokens(s.prompt_tokens)
         else:
             req.md_seq = Seq(req, s.prompt_tokens, blocks, relay=False, decoding=False, shared=shared)
         return self._submit(md, req.md_seq, now)
+
+    def _first_step_tokens(self, prompt_tokens: int) -> int:
+        """What a decoder's first step computes for a request whose KV it
+        received: our servers send whole blocks only, so the prompt's
+        partial last block is recomputed with P's first token (runtime
+        deployment files; 1, a plain decode token, elsewhere)."""
+        if self.mode.serving is None:
+            return 1
+        return prompt_tokens % self.block_size + 1
 
     def _submit(self, inst: SimInstance, seq: Seq, now: float) -> list[Event]:
         """The decode server submits the request to its engine once the KV has

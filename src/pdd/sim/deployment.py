@@ -105,8 +105,10 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
             coef = dict(calibration.coefficients(e.num_threads, inst.role.value),
                         time_scale=calibration.time_scale(run, inst.name))
             f = calibration.fit_for(e.num_threads, inst.role.value)
-            if opts.step_jitter and f is not None:
-                coef["step_jitter"] = f.jitter
+            if f is not None:
+                coef["row_factors"] = f.row_factors
+                if opts.step_jitter:
+                    coef["step_jitter"] = f.jitter
         pools.append(PoolSpec(
             role=Role(inst.role.value), hardware="cpu", chips=e.num_threads, count=1,
             datacenter=inst.datacenter, max_batch=e.max_num_seqs,
@@ -136,7 +138,8 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
                                manifest_after_step=opts.manifest_after_step,
                                import_wait=opts.import_wait)
     return ModeSpec(name or spec.name, tuple(pools), PolicyConfig.from_dict(spec.policy), rdma,
-                    wan, serving, seed=opts.seed)
+                    wan, serving, seed=opts.seed,
+                    core_sharing=calibration.core_sharing if calibration is not None else 1.0)
 
 
 def block_size(spec: DeploymentSpec) -> int:

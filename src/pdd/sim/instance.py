@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pdd.policy import InstanceView, Role
-from pdd.sim.cost_model import CostModel, chunk_pairs
+from pdd.sim.cost_model import CostModel, chunk_pairs, row_bucket
 from pdd.sim.prefix_cache import PrefixCache
 from pdd.sim.request import SimRequest
 
@@ -54,7 +54,8 @@ class Job:
 class Seq:
     """A request's decoding presence on an instance."""
 
-    __slots__ = ("req", "context", "stop_at", "decoding", "num_blocks", "relay", "shared", "removed")
+    __slots__ = ("req", "context", "stop_at", "decoding", "num_blocks", "relay", "shared", "removed",
+                 "first")
 
     def __init__(self, req: SimRequest, context: int, num_blocks: int, relay: bool,
                  decoding: bool = True, shared: list[int] | None = None) -> None:
@@ -64,6 +65,9 @@ class Seq:
         self.stop_at: int | None = None
         self.shared = shared or []
         self.removed = False
+        # Tokens its first step computes: 1, or the prompt's partial last
+        # block + P's first token when only whole blocks crossed (`recompute`).
+        self.first = 1
 
     def tokens_left(self) -> int:
         limit = self.req.spec.output_tokens
@@ -83,7 +87,8 @@ class SimInstance:
     def __init__(self, instance_id: str, role: Role, datacenter: str, cost: CostModel,
                  max_batch: int, token_budget: int, block_size: int, kv_blocks: int,
                  cache: bool, max_macro_steps: int = 32, single_chunk: bool = False,
-                 deliver_s: float = 0.0, jitter: float = 0.0, seed: int = 0) -> None:
+                 deliver_s: float = 0.0, jitter: float = 0.0, seed: int = 0,
+                 row_factors: tuple[float, ...] = ()) -> None:
         if kv_blocks <= 0:
             raise ValueError(f"{instance_id}: no KV memory left after the weights")
         self.instance_id, self.role, self.datacenter = instance_id, role, datacenter
@@ -106,6 +111,7 @@ class SimInstance:
         self.waiters: list[list] = []
         self.version = 0
         self.busy = False
+        self.at_boundary = False             # between two steps, running what waited for it
         self.step_time_s: float | None = None
         self.busy_s = 0.0
         self.num_steps = 0
@@ -117,6 +123,7 @@ class SimInstance:
         # of mean 1 per step reproduces that scatter (seeded: runs repeat).
         self._jitter = jitter
         self._rng = random.Random(seed) if jitter > 0 else None
+        self._row_factors = row_factors
 
     # --- memory -------------------------------------------------------------
     @property
@@ -221,16 +228,24 @@ class SimInstance:
         n_dec = len(batch)
         dec_ctx = float(sum(s.context for s in batch))
         n_pre = sum(c for _, c in chunks)
-        if chunks or not batch or self.waiters:
+        # A fresh sequence whose last partial block did not cross recomputes
+        # it with its first token: a small chunk in place of one decode token.
+        fresh = [s for s in batch if s.first > 1]
+        for s in fresh:
+            n_pre += s.first - 1
+            pairs += chunk_pairs(s.context - s.first, s.first) - (s.context + 1)
+        if chunks or fresh or not batch or self.waiters:
             k = 1
         else:
             k = min(self.max_macro_steps, min(s.tokens_left() for s in batch))
         t = now
         times = []
         size = n_dec + len(chunks)
+        rf, k_rows = self._row_factors, row_bucket(n_pre + n_dec)
+        scale = rf[k_rows - 1] if k_rows <= len(rf) else 1.0
         for i in range(k):
             c_sum = dec_ctx + i * n_dec
-            dt = self._time(n_pre + n_dec, size, ctx + c_sum, pairs + c_sum + n_dec)
+            dt = scale * self._time(n_pre + n_dec, size, ctx + c_sum, pairs + c_sum + n_dec)
             if self._rng is not None:
                 dt *= self._rng.lognormvariate(-0.5 * self._jitter ** 2, self._jitter)
             t += dt
@@ -330,6 +345,7 @@ class SimInstance:
             for seq in self._batch:
                 seq.req.emit(times, seq.relay, self.deliver_s)
                 seq.context += k
+                seq.first = 1
                 if seq.tokens_left() <= 0:
                     out.seqs_ended.append(seq)
             for seq in out.seqs_ended:

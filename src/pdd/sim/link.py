@@ -7,6 +7,11 @@ next completion. The caller schedules that prediction as an event tagged
 with `version`; any later change bumps the version, and a completion event
 whose version is stale is ignored.
 
+The same class times the steps of engines that time-slice one CPU core (a
+"flow" is a step's seconds of work, bandwidth 1.0); `shared_efficiency` is
+the fraction of the capacity left when two or more flows share it, since
+processes that share a core also lose time to switching between them.
+
 A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow;
 the caller delays `add` by `rtt_s`, which keeps this class about bandwidth
 only.
@@ -28,13 +33,16 @@ class Flow:
 
 class Link:
     def __init__(self, name: str, bandwidth_bytes_s: float, rtt_s: float,
-                 max_flow_bytes_s: float | None = None) -> None:
+                 max_flow_bytes_s: float | None = None, shared_efficiency: float = 1.0) -> None:
         if bandwidth_bytes_s <= 0 or rtt_s < 0:
             raise ValueError(f"{name}: bandwidth must be > 0 and rtt >= 0")
         self.name = name
         self.bandwidth_bytes_s = bandwidth_bytes_s
         self.rtt_s = rtt_s
         self.max_flow_bytes_s = max_flow_bytes_s or math.inf
+        if not 0 < shared_efficiency <= 1:
+            raise ValueError(f"{name}: shared_efficiency must be in (0, 1]")
+        self.shared_efficiency = shared_efficiency
         self.flows: dict[str, Flow] = {}
         self.version = 0
         self.up = True
@@ -43,7 +51,10 @@ class Link:
 
     def rate_per_flow(self) -> float:
         n = len(self.flows)
-        return min(self.bandwidth_bytes_s / n, self.max_flow_bytes_s) if n else 0.0
+        if not n:
+            return 0.0
+        total = self.bandwidth_bytes_s * (self.shared_efficiency if n > 1 else 1.0)
+        return min(total / n, self.max_flow_bytes_s)
 
     def _advance(self, now: float) -> None:
         if now < self._last_s - 1e-12:

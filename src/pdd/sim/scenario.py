@@ -52,6 +52,9 @@ class PoolSpec:
     # Lognormal sigma of each step's time around the model (mean kept): the
     # scatter of measured steps about the calibrated fit. 0: deterministic.
     step_jitter: float = 0.0
+    # A step of n tokens takes row_factors[row_bucket(n) - 1] x the model
+    # (1.0 past the end): a calibrated engine's kernels by rows per step.
+    row_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str):
@@ -65,6 +68,9 @@ class PoolSpec:
             raise ValueError(f"pool {self.role.value}: kv_blocks must be >= 1")
         if not 0 <= self.step_jitter < 1:
             raise ValueError(f"pool {self.role.value}: step_jitter must be in [0, 1)")
+        object.__setattr__(self, "row_factors", tuple(float(f) for f in self.row_factors))
+        if any(not f > 0 for f in self.row_factors):
+            raise ValueError(f"pool {self.role.value}: row_factors must be > 0")
 
     def instance_price(self) -> float:
         if self.price_per_hour is not None:
@@ -128,6 +134,9 @@ class ModeSpec:
     wan: LinkSpec | None = None
     serving: ServingOverheads | None = None
     seed: int = 0          # of the step-time jitter (pools with step_jitter > 0)
+    # Throughput of a core that pools share (`PoolSpec.core`) while two or
+    # more of its engines step, relative to one alone (calibrated).
+    core_sharing: float = 1.0
 
     def cost_per_hour(self) -> float:
         chips = sum(p.count * p.instance_price() for p in self.pools)
