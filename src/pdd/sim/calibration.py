@@ -292,8 +292,7 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
     """
     fits: dict[int, ThreadFit] = {}
     role_fits: dict[str, dict[int, ThreadFit]] = {}
-    # (measured / fitted, weight): a decode step weighs the tokens it makes,
-    # as in the fit, so a factor describes the steps that make the tokens.
+    # Per run: (measured / fitted, weight), weighed as `_weight` says.
     ratios: dict[str, list[tuple[float, float]]] = {}
     every = read_records(paths)
     models: dict[tuple[int, str], CostModel] = {}     # (threads, group) -> its fitted model
