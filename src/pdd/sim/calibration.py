@@ -23,9 +23,9 @@ uses the pooled one.
 Replaying a run, each instance runs at its own measured speed: the mean
 measured / fitted time of its own unshared steps (`instance_load`), else
 its run's `load` (against the pooled fit). Two more things the roofline
-cannot know are measured from the same steps: a decode step's factor by
-number of rows it multiplies (`ThreadFit.row_factors`: the engine's
-kernels change with the rows), and what a core two engines time-slice keeps of its
+cannot know are measured from the same steps: a step's factor by the
+number of rows it multiplies (`ThreadFit.row_factors`: the engine's kernels
+change with the rows), and what a core two engines time-slice keeps of its
 speed (`core_sharing`, from the steps MD and RLD ran at the same time).
 
 The Prometheus text saved beside (metrics/*.prom) adds what KV transfers
@@ -88,7 +88,7 @@ class ThreadFit:
 class CpuCalibration:
     model: str
     fits: dict[int, ThreadFit] = field(default_factory=dict)
-    # Per run (the folder a steps.jsonl sits in, i.e. the bench mode): median
+    # Per run (the folder a steps.jsonl sits in, i.e. the bench mode): weighted mean
     # measured / fitted step time of its instances that had a core alone.
     # Other processes on this shared machine slow a whole run down at once.
     load: dict[str, float] = field(default_factory=dict)
@@ -99,7 +99,7 @@ class CpuCalibration:
     transfer: dict[str, dict[str, float]] = field(default_factory=dict)
     # Per role group ("prefill", "decode", "colocated") and thread count.
     role_fits: dict[str, dict[int, ThreadFit]] = field(default_factory=dict)
-    # Per instance alone on its core ("run/name"): median measured / fitted
+    # Per instance alone on its core ("run/name"): weighted mean measured / fitted
     # step time of its own steps against its role's fit. Replaying that run,
     # the instance runs at this speed (others at their run's `load`).
     instance_load: dict[str, float] = field(default_factory=dict)
@@ -243,12 +243,12 @@ def read_records(paths: list[Path]) -> list[dict]:
     return out
 
 
-def load_records(paths: list[Path], recs: list[dict] | None = None) -> dict[int, list[dict]]:
+def load_records(recs: list[dict]) -> dict[int, list[dict]]:
     """Step records (`read_records`) grouped by thread count, those of
     shared-core instances that overlapped a neighbour only as a last resort."""
     alone: dict[int, list[dict]] = {}
     shared: dict[int, list[dict]] = {}
-    for rec in read_records(paths) if recs is None else recs:
+    for rec in recs:
         (alone if rec["alone"] else shared).setdefault(rec["threads"], []).append(rec)
     return {t: alone.get(t) or shared[t] for t in sorted(set(alone) | set(shared))}
 
@@ -297,7 +297,7 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
     every = read_records(paths)
     models: dict[tuple[int, str], CostModel] = {}     # (threads, group) -> its fitted model
     alone: list[dict] = []
-    for threads, recs in load_records(paths, every).items():
+    for threads, recs in load_records(every).items():
         if len(recs) < 3:
             continue
         base = CostModel(model, get_profile(hardware), chips=threads)

@@ -66,7 +66,8 @@ class Seq:
         self.shared = shared or []
         self.removed = False
         # Tokens its first step computes: 1, or the prompt's partial last
-        # block + P's first token when only whole blocks crossed (`recompute`).
+        # block + P's first token when only whole blocks crossed
+        # (`DecodersMixin._first_step_tokens`).
         self.first = 1
 
     def tokens_left(self) -> int:

@@ -38,7 +38,7 @@ import math
 import statistics
 from pathlib import Path
 
-from pdd.bench.metrics import Sla, percentile
+from pdd.bench.metrics import Sla, distribution
 from pdd.bench.records import RequestRecord
 from pdd.bench.runner import load_workload, read_records
 from pdd.deploy.spec import load_spec
@@ -111,10 +111,11 @@ def validate(run: Path, calibration: CpuCalibration | None = None,
         # Every request's TTFT and TPOT, real and over all seeds, for the
         # summary over several runs (`summarize`: pooled percentiles).
         real_path = run / m.name / "records.jsonl"
-        row["samples"] = {"real": _samples(read_records(real_path) if real_path.is_file() else []),
+        real_records = read_records(real_path) if real_path.is_file() else []
+        row["samples"] = {"real": _samples(real_records),
                           "sim": _samples([r for _, recs, _ in runs for r in recs])}
         # Decisions of the first seed's replay, request by request.
-        row["decisions"] = compare_decisions(run / m.name / "records.jsonl", records)
+        row["decisions"] = compare_decisions(real_records, records)
         out["modes"][m.name] = row
     (run / "validation.json").write_text(json.dumps(_finite(out), indent=2) + "\n")
     return out
@@ -126,24 +127,12 @@ def _samples(records: list[RequestRecord]) -> dict:
             "tpot_s": [round(r.tpot_s, 6) for r in ok if r.tpot_s is not None]}
 
 
-# Pooled over runs: the metric, its samples' key, the statistic.
-POOLED = {"ttft_p50": ("ttft_s", lambda v: percentile(v, 50)),
-          "ttft_p90": ("ttft_s", lambda v: percentile(v, 90)),
-          "tpot_mean": ("tpot_s", statistics.fmean)}
-
-
 # The router's and the simulator's names for the same outcome.
 _SAME = {"relay_only": "relay_filtered"}
 
 
-def compare_decisions(real_path: Path, sim_records: list) -> dict | None:
-    if not real_path.is_file():
-        return None
-    real = {}
-    for line in real_path.read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            real[d["request_id"]] = d.get("pipeline")
+def compare_decisions(real_records: list[RequestRecord], sim_records: list) -> dict | None:
+    real = {r.request_id: r.pipeline for r in real_records}
     agree, differ, n = 0, {}, 0
     for r in sim_records:
         if r.request_id not in real or real[r.request_id] is None:
@@ -214,11 +203,12 @@ def summarize(runs: list[dict]) -> dict:
         if not samples or any(x is None for x in samples):
             continue
         row = {"runs": len(samples)}
-        for metric, (key, stat) in POOLED.items():
+        for metric in TARGETS:      # the same statistics as summarize_mode's
+            key, sub = METRICS[metric]
             real = [x for smp in samples for x in smp["real"][key]]
             sim = [x for smp in samples for x in smp["sim"][key]]
             if real and sim:
-                r, m = stat(real), stat(sim)
+                r, m = distribution(real)[sub], distribution(sim)[sub]
                 row[metric] = {"real": r, "sim": m, "error": rel_error(m, r)}
         out["pooled"][name] = row
     # Over every mode: how many within target, and the median |error|.
@@ -247,7 +237,7 @@ def print_summary(s: dict) -> None:
         print("== pooled over the runs (each mode's requests of all runs; sim: all seeds)")
         for name, row in s["pooled"].items():
             cells = []
-            for metric in POOLED:
+            for metric in TARGETS:
                 c = row.get(metric)
                 if c:
                     unit = 1e3 if metric == "tpot_mean" else 1.0
