@@ -6,11 +6,16 @@
     export_kv / import_kv          KV blocks as checked bytes, to resume elsewhere
     abort(id), stats(), step_log
 
-Not thread-safe: one thread drives it (see server/engine_loop.py).
+One thread drives it (see server/engine_loop.py). The one exception is the
+block pool: `pool_lock` guards every change to it and to the KV tensor's
+free blocks, and `step()` lets go of it while the model runs, so a KV
+receiver can take blocks and write arriving KV into them during a forward
+pass (`KVImport`, `held_block_indices`) instead of waiting for the step to end.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -69,6 +74,8 @@ class Engine:
         self._pins: dict[str, list[int]] = {}   # imported blocks held until their request runs
         self._eos = set(model_cfg.eos_token_ids)
         self.num_steps = 0
+        # Held by whoever changes the pool; not while the model runs (see step).
+        self.pool_lock = threading.RLock()
 
     # -- requests -------------------------------------------------------------
     def submit(self, req: EngineRequest) -> None:
@@ -146,21 +153,25 @@ class Engine:
 
     # -- stepping ---------------------------------------------------------------
     def step(self) -> list[StepEvent]:
-        plan = self.scheduler.schedule()
-        events = []
-        for req in plan.failed:
-            self._finish(req, RequestStatus.FINISHED_ERROR)
-            events.append(StepEvent(req.request_id, finished=True, finish_reason="error", error=req.error))
-        if plan.empty:
-            return events
-        for s in plan.seqs:
-            if s.request.request_id in self._pins:
-                self._release_pins(s.request.request_id)
+        with self.pool_lock:
+            plan = self.scheduler.schedule()
+            events = []
+            for req in plan.failed:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                events.append(StepEvent(req.request_id, finished=True, finish_reason="error", error=req.error))
+            if plan.empty:
+                return events
+            for s in plan.seqs:
+                if s.request.request_id in self._pins:
+                    self._release_pins(s.request.request_id)
+        # The model reads and writes only the blocks of the plan's sequences,
+        # all allocated above: the pool may change meanwhile (KV imports).
         start = time.time()
         t0 = time.perf_counter()
         sampled = self.runner.execute(plan)
         wall = time.perf_counter() - t0
-        self.scheduler.postprocess(plan)
+        with self.pool_lock:
+            self.scheduler.postprocess(plan)
         self.num_steps += 1
         self.step_log.append(StepRecord(
             num_prefill_tokens=sum(s.num_tokens for s in plan.seqs if s.num_tokens > 1),
