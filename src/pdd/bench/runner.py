@@ -32,6 +32,7 @@ from pdd.bench.client import ClientConfig, run_workload_sync
 from pdd.bench.metrics import Sla, summarize_mode
 from pdd.bench.records import RequestRecord
 from pdd.bench.workload import Workload, WorkloadRequest, hit_rate_histogram
+from pdd.deploy.spec import link_overrides
 
 ABLATIONS: dict[str, dict] = {
     "no-drc": {"policy": {"enable_drc": False}},
@@ -48,13 +49,16 @@ class ModeSpec:
     overrides: dict | None = None
 
 
-def plan_modes(configs: list[str], ablations: list[str] | None = None) -> list[ModeSpec]:
+def plan_modes(configs: list[str], ablations: list[str] | None = None,
+               wan_mbps: float | None = None) -> list[ModeSpec]:
     """One mode per config file, then one per ablation.
 
     An ablation is `NAME` (applied to the config whose stem starts with "pdd",
     else the last one) or `BASE:NAME` (applied to the config with stem BASE).
+    `wan_mbps` overrides every mode's line rate.
     """
-    modes = [ModeSpec(Path(c).stem, str(c)) for c in configs]
+    links = link_overrides(wan_mbps)
+    modes = [ModeSpec(Path(c).stem, str(c), links) for c in configs]
     names = [m.name for m in modes]
     if len(set(names)) != len(names):
         raise ValueError(f"two configs share a file stem: {names}")
@@ -70,7 +74,7 @@ def plan_modes(configs: list[str], ablations: list[str] | None = None) -> list[M
             if not modes:
                 raise ValueError("an ablation needs a base config (-c)")
             base = next((m for m in modes if m.name.startswith("pdd")), modes[-1])
-        modes.append(ModeSpec(f"{base.name}+{abl}", base.config_path, ABLATIONS[abl]))
+        modes.append(ModeSpec(f"{base.name}+{abl}", base.config_path, {**ABLATIONS[abl], **(links or {})}))
     return modes
 
 

@@ -236,6 +236,15 @@ def _check_topology(spec: DeploymentSpec) -> None:
             raise SpecError(f"links[{k}] joins unknown datacenters {l.a!r}-{l.b!r}")
 
 
+def link_overrides(wan_mbps: float | None) -> dict | None:
+    """`--wan-mbps`: every line of a deployment at this rate (None: as in its file)."""
+    if wan_mbps is None:
+        return None
+    if wan_mbps <= 0:
+        raise SpecError("--wan-mbps must be > 0")
+    return {"links": {"bandwidth_mbps": float(wan_mbps)}}
+
+
 def load_spec(path: str | Path, overrides: dict | None = None) -> DeploymentSpec:
     path = Path(path)
     try:
@@ -245,7 +254,10 @@ def load_spec(path: str | Path, overrides: dict | None = None) -> DeploymentSpec
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{path}: invalid TOML: {e}") from None
     for key, val in (overrides or {}).items():
-        if isinstance(val, dict):
+        if key == "links" and isinstance(val, dict):
+            # One table for every line (`pdd bench --wan-mbps`, sweeps).
+            doc["links"] = [{**link, **val} for link in doc.get("links", [])]
+        elif isinstance(val, dict):
             doc[key] = {**doc.get(key, {}), **val}
         else:
             doc[key] = val

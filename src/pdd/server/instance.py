@@ -28,6 +28,7 @@ from pdd.engine.engine import Engine, InvalidRequestError
 from pdd.engine.hashing import hash_blocks
 from pdd.engine.kv_codec import KVImportError
 from pdd.engine.request import EngineRequest
+from pdd.policy import PolicyConfig, wait_for_siblings
 from pdd.server.engine_loop import EngineLoop
 from pdd.server.http_auth import internal_auth_middleware
 from pdd.server.instance_metrics import InstanceMetrics
@@ -44,10 +45,6 @@ def bad_request(msg: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": msg, "type": "invalid_request_error"}}, status=status)
 
 
-MAX_PENDING_BLOCKS = 64
-FLUSH_BLOCKS = 16          # start importing mid-transfer once this many blocks wait
-
-
 @dataclass
 class KVArrival:
     """One request's incoming prompt KV (decode side)."""
@@ -55,8 +52,10 @@ class KVArrival:
     created_s: float = field(default_factory=time.monotonic)
     importer: object | None = None
     status: TransferStatus | None = None
-    pending: list = field(default_factory=list)      # (index, payload) not yet in the pool
-    flushing: asyncio.Task | None = None
+    hashes: list = field(default_factory=list)       # the transfer's block hashes (BEGIN)
+    skipped: set = field(default_factory=set)        # indices this receiver already held (HAVE)
+    landed: set = field(default_factory=set)         # indices whose blocks are in the pool
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
     warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
 
 
@@ -69,7 +68,8 @@ class InstanceServer:
         self.arrivals: dict[str, KVArrival] = {}
         self.jobs: dict[str, PrefillJob] = {}
         self.metrics = InstanceMetrics(inst.name, inst.role.value)
-        self.kv_reuse = bool(spec.policy.get("enable_drc", True))
+        self.policy = PolicyConfig.from_dict(spec.policy)
+        self.kv_reuse = self.policy.enable_drc
         self.app = web.Application(middlewares=[internal_auth_middleware(secret)], client_max_size=64 << 20)
         r = self.app.router
         r.add_get("/health", self.health)
@@ -148,9 +148,19 @@ class InstanceServer:
         return web.json_response({"matched_tokens": matched})
 
     async def abort(self, request: web.Request) -> web.Response:
-        rid = str((await request.json()).get("request_id"))
+        body = await request.json()
+        rid = str(body.get("request_id"))
         await self.loop.abort(rid)
-        self._drop_arrival(rid)
+        a = self.arrivals.get(rid)
+        if body.get("keep_kv") and a is not None and a.status is None:
+            # The request is gone but its KV is still landing: let it land into
+            # the prefix cache, as a warm push does (dropped at its END).
+            a.warm = True
+            if not a.done.done():
+                a.done.set_exception(RuntimeError("aborted"))
+                a.done.exception()  # mark retrieved
+        else:
+            self._drop_arrival(rid)
         return web.json_response({"aborted": rid})
 
     # -- colocated --------------------------------------------------------------
@@ -234,14 +244,50 @@ class InstanceServer:
 
     def _drop_arrival(self, rid: str) -> None:
         a = self.arrivals.pop(rid, None)
+        if a is not None:
+            a.ended.set()
         if a is not None and not a.done.done():
             a.done.set_exception(RuntimeError("aborted"))
             a.done.exception()  # mark retrieved
         asyncio.get_running_loop().create_task(self.loop.call(lambda e: e._release_pins(rid)))
 
+    def _siblings_bringing(self, request_id: str, hashes: list[bytes]) -> tuple[int, list[KVArrival]]:
+        """(how many of `hashes` that this receiver lacks are on their way in
+        another transfer, those transfers)."""
+        wanted = {h for h in hashes if not self.engine.pool.holds(h)}
+        count, siblings = 0, []
+        for rid, b in self.arrivals.items():
+            if rid == request_id or b.importer is None or b.status is not None:
+                continue
+            coming = {h for i, h in enumerate(b.hashes) if i not in b.skipped and i not in b.landed} & wanted
+            if coming:
+                count += len(coming)
+                wanted -= coming
+                siblings.append(b)
+        return count, siblings
+
+    async def _wait_for_siblings(self, request_id: str, hashes: list[bytes]) -> None:
+        """DRC under a slow line: when most of what this transfer lacks is
+        already on its way in another one (the previous turn of the same
+        conversation, say), answer HAVE only once that one has ended, so the
+        same blocks do not cross the WAN twice. Bounded: a slow or failed
+        sibling only means the blocks are sent after all."""
+        if not self.kv_reuse:
+            return
+        lacking = sum(1 for h in hashes if not self.engine.pool.holds(h))
+        coming, siblings = self._siblings_bringing(request_id, hashes)
+        if not siblings or not wait_for_siblings(lacking, coming, self.policy):
+            return
+        waits = [asyncio.ensure_future(b.ended.wait()) for b in siblings]
+        done, pending = await asyncio.wait(waits, timeout=self.spec.kv_deadline_s / 2)
+        for w in pending:
+            w.cancel()
+
     async def on_begin(self, request_id: str, meta: dict, block_hashes: list[bytes]) -> set[int]:
         a = self._arrival(request_id)
         a.warm = bool(meta.get("warm"))
+        a.hashes = list(block_hashes)
+        await self._wait_for_siblings(request_id, a.hashes)
 
         def begin(e: Engine) -> set[int]:
             a.importer = e.begin_import(meta, block_hashes, pin_for=request_id)
@@ -252,40 +298,26 @@ class InstanceServer:
                 e._pin(request_id, block)
             return held
 
-        return await self.loop.call(begin)
+        # The pool lock, not the engine thread: HAVE goes back while a step
+        # runs, instead of after it (up to a whole prefill chunk).
+        a.skipped = self.loop.call_now(begin)
+        return a.skipped
 
     async def on_block(self, request_id: str, index: int, block_hash: bytes, payload: bytes) -> None:
         a = self.arrivals.get(request_id)
         if a is None or a.importer is None:
             raise KVImportError(f"no transfer begun for {request_id}")
-        # Blocks go into the pool in batches: one engine-thread call per batch, not
-        # per block, so a decoder busy with long steps still imports at line rate.
-        # Each call waits for the engine's next step boundary, so a small
-        # transfer is imported in one call at its END (one wait, not two).
-        a.pending.append((index, payload))
-        if len(a.pending) >= FLUSH_BLOCKS and (a.flushing is None or a.flushing.done()):
-            a.flushing = asyncio.get_running_loop().create_task(self._flush(a))
-        if len(a.pending) >= MAX_PENDING_BLOCKS:       # bound what waits in memory
-            await asyncio.shield(a.flushing)
-
-    async def _flush(self, a: KVArrival) -> None:
-        while a.pending:
-            batch, a.pending = a.pending, []
-            await self.loop.call(lambda e: [a.importer.add_block(i, p) for i, p in batch])
+        # Into the pool as it lands, during the engine's step: at END every
+        # block is already there, so a transfer costs no wait for a step.
+        self.loop.call_now(lambda e: a.importer.add_block(index, payload))
+        a.landed.add(index)
 
     async def on_end(self, request_id: str, status: TransferStatus) -> None:
         a = self.arrivals.get(request_id)
         if a is None:
             return
-        import_error = None
-        try:
-            if a.flushing is not None:
-                await a.flushing
-            if a.pending and status.ok:
-                await self._flush(a)              # success means every block is in the pool
-        except Exception as e:
-            import_error = f"importing KV failed: {e}"
         a.status = status
+        a.ended.set()
         self.metrics.on_kv_received(status)
         if a.warm:
             # The blocks stay in the prefix cache (committed as they landed);
@@ -293,9 +325,7 @@ class InstanceServer:
             self._drop_arrival(request_id)
             return
         if not a.done.done():
-            if import_error:
-                a.done.set_exception(RuntimeError(import_error))
-            elif status.ok:
+            if status.ok:
                 a.done.set_result(status)
             else:
                 a.done.set_exception(RuntimeError(f"KV transfer failed: {status.error}"))

@@ -78,6 +78,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--max-input-tokens", type=int, default=None)
     w.add_argument("--max-output-tokens", type=int, default=None)
     w.add_argument("--start-index", type=int, default=0)
+    w.add_argument("--wan-mbps", type=float, default=None, metavar="MBPS",
+                   help="runtime files: override every deployment's WAN line rate")
 
 
 def _options(args):
@@ -164,7 +166,9 @@ def _run_runtime(args) -> int:
         return 2
     wl = build_workload(args)
     sla = Sla(args.sla_ttft or DEFAULT_SLA_TTFT_S, args.sla_tpot or DEFAULT_SLA_TPOT_S)
-    modes = [RuntimeMode(c.stem, str(c)) for c in args.config]
+    from pdd.deploy.spec import link_overrides
+
+    modes = [RuntimeMode(c.stem, str(c), link_overrides(args.wan_mbps)) for c in args.config]
     summary = simulate_deployments(modes, wl, sla, args.out, _calibration(args), _options(args),
                                    plots=not args.no_plots)
     report.print_table(summary)

@@ -161,7 +161,9 @@ class KVSender:
                 status.bytes_sent += stream.write(encode_begin(status.request_id, meta, hashes, deadline_s,
                                                                self.max_frame_bytes))
                 status.state = TransferState.WAITING
+                begun = time.monotonic()
                 have = await stream.read_frame(None)
+                status.handshake_s = time.monotonic() - begun
                 if isinstance(have, Error):
                     raise _PeerError(f"receiver refused transfer: {have.message}")
                 if not isinstance(have, Have) or have.num_blocks != len(hashes):
