@@ -63,6 +63,7 @@ class TransfersMixin:
                 for sib in siblings:
                     self.flow_waiters.setdefault(sib, []).append(one_ended)
                 return []
+            self.flow_begun.add(flow_id)       # its blocks now count as on their way
             if self.import_wait not in ("batch", "block") or not dst.busy:
                 return back(t)
             dst.wait_boundaries(1, back)
@@ -77,16 +78,17 @@ class TransfersMixin:
 
     def _siblings_bringing(self, flow_id: str, req: SimRequest, dst: SimInstance,
                            blocks: int | None) -> list[str]:
-        """Flows past their HAVE into `dst` that carry blocks this one lacks, when
-        they carry enough of them to wait for (`pdd.policy.wait_for_siblings`)."""
+        """Flows into `dst` whose BEGIN it has taken that carry blocks this one
+        lacks, when they carry enough of them to wait for
+        (`pdd.policy.wait_for_siblings`)."""
         if dst.cache is None or not self.cfg.enable_drc:
             return []
         held = dst.cache.match(req.spec.block_ids)
         wanted = set(self._flow_blocks(req, "md", blocks)[held:])
         lacking = len(wanted)
         coming, siblings = 0, []
-        for fid, (other, kind, dst_id, _, nb, _) in self.flows.items():
-            if fid == flow_id or dst_id != dst.instance_id or nb is None:
+        for fid, (other, kind, dst_id, _, _, _) in self.flows.items():
+            if fid == flow_id or dst_id != dst.instance_id or fid not in self.flow_begun:
                 continue
             mine = wanted & set(self._flow_blocks(other, kind))
             if mine:
@@ -96,6 +98,7 @@ class TransfersMixin:
         return siblings if wait_for_siblings(lacking, coming, self.cfg) else []
 
     def _flow_ended(self, flow_id: str, now: float) -> list[Event]:
+        self.flow_begun.discard(flow_id)
         evs: list[Event] = []
         for fn in self.flow_waiters.pop(flow_id, []):
             evs += fn(now)
