@@ -2,10 +2,11 @@
 
 `Deployment.start(path)` prepares the model once, writes a fresh shared
 secret (mode 0600; every process derives its per-purpose keys from it,
-`pdd.keys`, and none sends it anywhere), starts the WAN relays, every instance and the router (each its own
-process group, logs under the run directory), waits until all answer
-/health, and records their pids. `stop()` (and `pdd down`) ends exactly
-those process groups: SIGTERM, then SIGKILL after a grace period.
+`pdd.keys`, and none sends it anywhere), starts the WAN relays, every
+instance and the router (each its own process group, logs under the run
+directory), waits until all answer /health, and records their pids.
+`stop()` (and `pdd down`) ends exactly those process groups: SIGTERM, then
+SIGKILL after a grace period.
 """
 
 from __future__ import annotations

@@ -131,7 +131,9 @@ class KVSender:
                 self.num_connections_reused += 1
                 return stream
             stream.abort()
-        turn = self._handshakes.setdefault((host, port), asyncio.Semaphore(self.max_handshakes_per_peer))
+        turn = self._handshakes.get((host, port))
+        if turn is None:
+            turn = self._handshakes[(host, port)] = asyncio.Semaphore(self.max_handshakes_per_peer)
         async with turn:
             return await self._connect(host, port)
 
