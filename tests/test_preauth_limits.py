@@ -29,7 +29,7 @@ from pdd.wan.relay import WanLink
 
 KEY = os.urandom(32)
 HUGE = 64 * 1024 * 1024
-AUTH_TIMEOUT_S = 2.0
+AUTH_TIMEOUT_S = 3.0
 
 RECEIVER = """
 import asyncio, json, sys
