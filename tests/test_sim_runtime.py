@@ -318,7 +318,7 @@ def test_runner_saves_deploy_file_and_steps(tmp_path, monkeypatch):
 
     spec = load_spec(EXAMPLES / "pd-local.toml")
     fake = type("Dep", (), {"spec": spec, "secret": b"s" * 32})()
-    monkeypatch.setattr(runner, "fetch_steps", lambda url, secret: [
+    monkeypatch.setattr(runner, "fetch_steps", lambda url, secret, target: [
         {"instance": url[-4:], "num_prefill_tokens": 1, "num_decode_tokens": 0, "batch_size": 1,
          "context_lens": [1], "wall_s": 0.1}])
     save_run_artefacts(fake, runner.ModeSpec("pd-local", str(EXAMPLES / "pd-local.toml")), tmp_path)

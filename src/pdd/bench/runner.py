@@ -277,7 +277,7 @@ def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
             return
         with open(mode_dir / "steps.jsonl", "w") as f:
             for inst in dspec.instances:
-                for rec in fetch_steps(f"http://{inst.host}:{inst.port}", secret):
+                for rec in fetch_steps(f"http://{inst.host}:{inst.port}", secret, inst.name):
                     f.write(json.dumps(rec) + "\n")
         # Prometheus counters (KV bytes and transfer seconds per link, ...), for diagnosis.
         (mode_dir / "metrics").mkdir(exist_ok=True)
@@ -293,14 +293,17 @@ def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
         traceback.print_exc()
 
 
-def fetch_steps(base_url: str, secret: bytes, timeout_s: float = 30.0) -> list[dict]:
-    """GET /internal/steps (signed): one dict per engine step, tagged with instance and role."""
+def fetch_steps(base_url: str, secret: bytes, target: str, timeout_s: float = 30.0) -> list[dict]:
+    """GET /internal/steps, signed for instance `target` with the key derived
+    from the deployment `secret`: one dict per engine step, tagged with instance and role."""
     import urllib.request
 
+    from pdd.keys import DeploymentKeys
     from pdd.server.http_auth import sign
 
     path = "/internal/steps"
-    req = urllib.request.Request(base_url + path, headers=sign(secret, "GET", path))
+    headers = sign(DeploymentKeys.derive(secret).internal_http, "GET", path, target)
+    req = urllib.request.Request(base_url + path, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         doc = json.loads(r.read())
     return [{"instance": doc.get("instance"), "role": doc.get("role"), **s} for s in doc.get("steps", [])]

@@ -1,10 +1,12 @@
 """Start and stop a whole deployment on this machine.
 
 `Deployment.start(path)` prepares the model once, writes a fresh shared
-secret, starts the WAN relays, every instance and the router (each its own
-process group, logs under the run directory), waits until all answer
-/health, and records their pids. `stop()` (and `pdd down`) ends exactly
-those process groups: SIGTERM, then SIGKILL after a grace period.
+secret (mode 0600; every process derives its per-purpose keys from it,
+`pdd.keys`, and none sends it anywhere), starts the WAN relays, every
+instance and the router (each its own process group, logs under the run
+directory), waits until all answer /health, and records their pids.
+`stop()` (and `pdd down`) ends exactly those process groups: SIGTERM, then
+SIGKILL after a grace period.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdd.deploy.spec import DeploymentSpec, load_spec
 from pdd.deploy.topology import relay_mappings
+from pdd.keys import DeploymentKeys
 
 
 class DeploymentError(RuntimeError):
@@ -41,7 +45,7 @@ class Proc:
     pid: int
     url: str                 # health URL
     log: Path
-    bearer: str | None = None   # the WAN relay's control API wants the secret
+    signer: tuple[bytes, str] | None = None   # (key, name): the relay's /health must be signed
 
 
 @dataclass
@@ -67,11 +71,15 @@ class Deployment:
         from pdd.wan.control import WanControlClient
 
         link = self.spec.links[k]
-        return WanControlClient(link.relay_host, link.control_port, self.secret.decode())
+        return WanControlClient(link.relay_host, link.control_port, self.keys.wan_control, name=f"wan{k}")
 
     @property
     def secret(self) -> bytes:
         return (self.run_dir / "secret").read_bytes().strip()
+
+    @property
+    def keys(self) -> DeploymentKeys:
+        return DeploymentKeys.derive(self.secret)
 
     # -- start ----------------------------------------------------------------
     @classmethod
@@ -98,11 +106,12 @@ class Deployment:
             for k, link in enumerate(spec.links):
                 cmd = base + ["wan", "--host", link.relay_host, "--rate-mbps", str(link.bandwidth_mbps),
                               "--latency-ms", str(link.latency_ms), "--jitter-ms", str(link.jitter_ms),
-                              "--control-port", str(link.control_port), "--secret-file", str(secret_file)]
+                              "--control-port", str(link.control_port), "--secret-file", str(secret_file),
+                              "--name", f"wan{k}"]
                 for lp, host, tp in relay_mappings(spec, link):
                     cmd += ["--listen", f"{lp}:{host}:{tp}"]
                 dep._spawn(f"wan{k}", cmd, f"http://{link.relay_host}:{link.control_port}/health", env,
-                           bearer=secret_file.read_text().strip())
+                           signer=(dep.keys.wan_control, f"wan{k}"))
             extra = ["--override", json.dumps(overrides)] if overrides else []
             for inst in spec.instances:
                 cmd = base + ["serve", "-c", str(config_path), "--name", inst.name,
@@ -118,12 +127,12 @@ class Deployment:
             raise
         return dep
 
-    def _spawn(self, name: str, cmd: list[str], url: str, env: dict, bearer: str | None = None) -> None:
+    def _spawn(self, name: str, cmd: list[str], url: str, env: dict, signer: tuple[bytes, str] | None = None) -> None:
         log = self.run_dir / "logs" / f"{name}.log"
         with open(log, "wb") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, env=env)
-        self.procs.append(Proc(name, p.pid, url, log, bearer))
+        self.procs.append(Proc(name, p.pid, url, log, signer))
         self._record()
 
     def _record(self) -> None:
@@ -137,7 +146,7 @@ class Deployment:
             for p in list(pending):
                 if not _alive(p.pid):
                     raise DeploymentError(f"{p.name} exited during start-up; log {p.log}:\n{_tail(p.log)}")
-                if _healthy(p.url, p.bearer):
+                if _healthy(p.url, p.signer):
                     pending.remove(p)
             if time.monotonic() > deadline:
                 raise DeploymentError(f"not healthy within {timeout_s:.0f} s: {[p.name for p in pending]}")
@@ -162,8 +171,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _healthy(url: str, bearer: str | None = None) -> bool:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {bearer}"} if bearer else {})
+def _healthy(url: str, signer: tuple[bytes, str] | None = None) -> bool:
+    headers = {}
+    if signer is not None:
+        from pdd.server.http_auth import sign
+
+        headers = sign(signer[0], "GET", urllib.parse.urlsplit(url).path, signer[1])
+    req = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=1.0) as r:
             return r.status == 200

@@ -28,6 +28,7 @@ from pdd.engine.engine import Engine, InvalidRequestError
 from pdd.engine.hashing import hash_blocks
 from pdd.engine.kv_codec import KVImportError
 from pdd.engine.request import EngineRequest
+from pdd.keys import DeploymentKeys
 from pdd.policy import PolicyConfig, wait_for_siblings
 from pdd.server.engine_loop import EngineLoop
 from pdd.server.http_auth import internal_auth_middleware
@@ -61,7 +62,8 @@ class KVArrival:
 
 class InstanceServer:
     def __init__(self, spec: DeploymentSpec, inst: InstanceSpec, secret: bytes, engine: Engine):
-        self.spec, self.inst, self.secret, self.engine = spec, inst, secret, engine
+        self.spec, self.inst, self.engine = spec, inst, engine
+        self.keys = DeploymentKeys.derive(secret)   # per purpose; the master secret is not kept
         self.loop: EngineLoop | None = None
         self.receiver: KVReceiver | None = None
         self.sender: KVSender | None = None
@@ -70,7 +72,9 @@ class InstanceServer:
         self.metrics = InstanceMetrics(inst.name, inst.role.value)
         self.policy = PolicyConfig.from_dict(spec.policy)
         self.kv_reuse = self.policy.enable_drc
-        self.app = web.Application(middlewares=[internal_auth_middleware(secret)], client_max_size=64 << 20)
+        # Bodies are read (up to client_max_size) only after the signature checked out.
+        self.app = web.Application(middlewares=[internal_auth_middleware(self.keys.internal_http, inst.name)],
+                                   client_max_size=64 << 20)
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics_endpoint)
@@ -95,9 +99,9 @@ class InstanceServer:
         self.loop.on_step = self.metrics.on_events
         self.loop.start()
         if self.inst.role.decodes:
-            self.receiver = await KVReceiver.start(self.inst.host, self.inst.kv_port, self.secret, self)
+            self.receiver = await KVReceiver.start(self.inst.host, self.inst.kv_port, self.keys.kv, self)
         if self.inst.role == Role.PREFILL:
-            self.sender = KVSender(self.secret)
+            self.sender = KVSender(self.keys.kv)
         runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, self.inst.host, self.inst.port).start()

@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from pdd.deploy.spec import DeploymentSpec, Role
+from pdd.keys import DeploymentKeys
 from pdd.policy import PolicyConfig
 from pdd.server.cluster import Cluster
 from pdd.server.flows import FlowError, RequestContext, colocated_flow, new_request_id, pd_flow
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 class RouterServer:
     def __init__(self, spec: DeploymentSpec, secret: bytes, tokenizer, model_cfg, served_model: str):
-        self.spec, self.secret, self.tokenizer, self.model_cfg = spec, secret, tokenizer, model_cfg
+        self.spec, self.tokenizer, self.model_cfg = spec, tokenizer, model_cfg
+        self.keys = DeploymentKeys.derive(secret)   # per purpose; the master secret is not kept
         self.served_model = served_model
         self.mode = spec.mode
         self.policy = PolicyConfig.from_dict(spec.policy)
@@ -58,7 +60,8 @@ class RouterServer:
 
     async def _startup(self, app) -> None:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
-        self.client = InternalClient(self.secret, session)
+        self.client = InternalClient.for_deployment(
+            self.spec, self.keys.internal_http, session, self.spec.router_datacenter)
         self.cluster = Cluster(self.spec, self.client, self.policy)
         await self.cluster.refresh()
         self._poller = asyncio.get_running_loop().create_task(self.cluster.poll_forever())

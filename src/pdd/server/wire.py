@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from typing import AsyncIterator
+from typing import AsyncIterator, Mapping
 
 import aiohttp
 from aiohttp import web
 
+from pdd.deploy.spec import DeploymentSpec
+from pdd.deploy.topology import address
 from pdd.engine.request import SamplingParams
 from pdd.server.http_auth import sign
 
@@ -47,15 +49,36 @@ class NdjsonWriter:
 
 
 class InternalClient:
-    """Signed calls from the router to instances (JSON in, JSON or NDJSON out)."""
+    """Signed calls from the router to instances (JSON in, JSON or NDJSON out).
 
-    def __init__(self, secret: bytes, session: aiohttp.ClientSession):
-        self.secret = secret
+    Each call is signed for its target instance (see http_auth.py); `targets`
+    maps a base URL, as the router reaches the instance (directly or through
+    the WAN relay), to that instance's name, so callers just pass the URL.
+    """
+
+    def __init__(self, key: bytes, session: aiohttp.ClientSession, targets: Mapping[str, str]):
+        self.key = key
         self.session = session
+        self.targets = dict(targets)
+
+    @classmethod
+    def for_deployment(cls, spec: DeploymentSpec, key: bytes, session: aiohttp.ClientSession,
+                       from_dc: str) -> "InternalClient":
+        return cls(key, session, {address(spec, i, from_dc).url: i.name for i in spec.instances})
+
+    def _signed(self, method: str, base: str, path: str, body: bytes = b"") -> dict[str, str]:
+        target = self.targets.get(base)
+        if target is None:
+            raise InternalCallError(f"no instance is known at {base} (cannot sign a call for it)")
+        headers = sign(self.key, method, path, target, body)
+        if body:
+            headers["Content-Type"] = "application/json"
+        return headers
 
     async def post(self, base: str, path: str, body: dict, timeout_s: float = 30.0) -> dict:
+        data = json.dumps(body).encode()   # the exact bytes the signature's digest covers
         async with self.session.post(
-            base + path, json=body, headers=sign(self.secret, "POST", path),
+            base + path, data=data, headers=self._signed("POST", base, path, data),
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as r:
             data = await r.json(content_type=None)
@@ -65,7 +88,7 @@ class InternalClient:
 
     async def get(self, base: str, path: str, timeout_s: float = 5.0) -> dict:
         async with self.session.get(
-            base + path, headers=sign(self.secret, "GET", path), timeout=aiohttp.ClientTimeout(total=timeout_s)
+            base + path, headers=self._signed("GET", base, path), timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as r:
             if r.status >= 400:
                 raise InternalCallError(f"{path} -> {r.status}")
@@ -73,8 +96,9 @@ class InternalClient:
 
     async def stream(self, base: str, path: str, body: dict, timeout_s: float) -> AsyncIterator[dict]:
         """Yields NDJSON objects; the whole stream is bounded by timeout_s."""
+        data = json.dumps(body).encode()
         async with self.session.post(
-            base + path, json=body, headers=sign(self.secret, "POST", path),
+            base + path, data=data, headers=self._signed("POST", base, path, data),
             timeout=aiohttp.ClientTimeout(total=timeout_s, sock_read=timeout_s),
         ) as r:
             if r.status >= 400:
