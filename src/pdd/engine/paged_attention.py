@@ -3,13 +3,25 @@
 The model hands over post-RoPE q/k/v for a flat list of T tokens; this module
 knows which tokens belong to which sequence, writes their K/V into the cache
 slots the scheduler assigned, and attends over each sequence's whole context.
-Single-token sequences (decodes) are attended in one padded, masked SDPA
-call; multi-token chunks (prefill, extend) one SDPA call each.
+Single-token sequences (decodes) with short contexts are attended in one
+padded, masked SDPA call; with long contexts one sequence at a time (see
+`_decode_each`); multi-token chunks (prefill, extend) one SDPA call each.
 
 Context K/V are gathered a whole block at a time (index_select over the cache
 viewed as [2, num_blocks, block_size, KVH, D]: one memcpy per block, K and V
 in one call) rather than slot by slot; a chunk that starts at position 0 needs
 no gather at all (its context is exactly the k/v just computed).
+
+Why long decodes go one sequence at a time: a decode step is memory-bound on
+the gather (one core copies ~5 GB/s here). One padded gather for the whole
+batch lands in a buffer far larger than L2 (25 MB at batch 8 x 2K tokens),
+so every byte is written to memory and read back, and SDPA then expands K/V
+3x for GQA (9 query heads over 3 KV heads) and copies the transposed views.
+Per sequence, the gathered K/V (~1.5 MB each at 2K tokens) stays in L2 for
+the two matmuls right after, there is no padding to gather or mask, and GQA
+is a view (q as [KVH, G, D] against K as [KVH, L, D]) instead of a copy.
+Short contexts keep the batched call: there the ~6 small ops per sequence
+per layer would cost more than the copies they save.
 """
 
 from __future__ import annotations
@@ -35,13 +47,24 @@ class AttentionMetadata:
     decode_tok: torch.Tensor | None = None    # [B] flat indices of single-token seqs
     decode_blocks: torch.Tensor | None = None  # [B * nblk] block table, row-major, padded with 0
     decode_mask: torch.Tensor | None = None   # [B, 1, 1, nblk * block_size] bool
+    # per decode seq (block ids [nblk], context length), set instead of the
+    # padded table/mask when the contexts are long enough to attend one by one
+    decode_each: list[tuple[torch.Tensor, int]] | None = None
     all_decode: bool = False                  # every token is a decode, in order (decode_tok = arange)
     prefills: list[PrefillChunk] | None = None
     block_size: int = 16
 
 
+# Padded decode tokens (batch x longest context) above which decodes are
+# attended one sequence at a time. Measured on SmolLM2-135M, one thread: at
+# batch 16 x 128 tokens the batched SDPA is faster, from ~1K tokens on the
+# per-sequence path wins and the gap grows with the context (docs/DESIGN.md).
+DECODE_EACH_MIN_TOKENS = 4096
+
+
 def build_metadata(
-    seqs: list[tuple[int, int, list[int]]], block_size: int
+    seqs: list[tuple[int, int, list[int]]], block_size: int,
+    decode_each_min_tokens: int = DECODE_EACH_MIN_TOKENS,
 ) -> AttentionMetadata:
     """seqs: (start_pos, num_tokens, block_ids) per sequence, in flat order."""
     bs = block_size
@@ -71,13 +94,16 @@ def build_metadata(
     md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills,
                            block_size=bs)
     if dec_tok:
-        nb = max(len(b) for b in dec_blocks)
-        table = [b for row in dec_blocks for b in (row + [0] * (nb - len(row)))]
         md.decode_tok = torch.tensor(dec_tok, dtype=torch.long)
+        md.all_decode = not prefills
+        nb = max(len(b) for b in dec_blocks)
+        if len(dec_tok) * nb * bs >= decode_each_min_tokens:
+            md.decode_each = [(torch.tensor(b, dtype=torch.long), n) for b, n in zip(dec_blocks, dec_lens)]
+            return md
+        table = [b for row in dec_blocks for b in (row + [0] * (nb - len(row)))]
         md.decode_blocks = torch.tensor(table, dtype=torch.long)
         lens = torch.tensor(dec_lens, dtype=torch.long)
         md.decode_mask = (torch.arange(nb * bs).unsqueeze(0) < lens.unsqueeze(1)).view(len(dec_tok), 1, 1, nb * bs)
-        md.all_decode = not prefills
     return md
 
 
@@ -88,6 +114,7 @@ class PagedAttention:
         self.kv = kv  # [L, 2, S, KVH, D]
         self.md = md
         self._dec_buf: torch.Tensor | None = None  # decode gather target, reused by every layer
+        self._each_buf: torch.Tensor | None = None  # [2, nblk_max, bs, KVH, D], same for _decode_each
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = self.md
@@ -122,6 +149,8 @@ class PagedAttention:
     def _decode(self, paged: torch.Tensor, qd: torch.Tensor, KVH: int, H: int, D: int) -> torch.Tensor:
         """qd: [B, H, D] single-token queries -> [B, H, D]."""
         md = self.md
+        if md.decode_each is not None:
+            return self._decode_each(paged, qd, KVH, H, D)
         B = qd.shape[0]
         if self._dec_buf is None:   # one allocation per step, not per layer
             self._dec_buf = paged.new_empty((2, md.decode_blocks.numel()) + tuple(paged.shape[2:]))
@@ -131,3 +160,24 @@ class PagedAttention:
         vd = g[1].transpose(1, 2)
         od = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=md.decode_mask, enable_gqa=True)
         return od.squeeze(2)                                                 # [B, H, D]
+
+    def _decode_each(self, paged: torch.Tensor, qd: torch.Tensor, KVH: int, H: int, D: int) -> torch.Tensor:
+        """qd: [B, H, D] -> [B, H, D], one sequence at a time (why: module docstring)."""
+        seqs = self.md.decode_each
+        B, G = qd.shape[0], H // KVH
+        if self._each_buf is None:
+            nmax = max(blocks.numel() for blocks, _ in seqs)
+            self._each_buf = paged.new_empty((2, nmax) + tuple(paged.shape[2:]))
+        kbuf, vbuf = self._each_buf[0], self._each_buf[1]          # [nmax, bs, KVH, D] each
+        qg = qd.view(B, KVH, G, D)                                 # head h = kvh * G + g
+        out = qd.new_empty((B, KVH, G, D))
+        scale = D ** -0.5
+        for i, (blocks, ctx) in enumerate(seqs):
+            n = blocks.numel()
+            # K and V gathered separately: each lands in a contiguous prefix of its buffer
+            k = torch.index_select(paged[0], 0, blocks, out=kbuf[:n]).view(-1, KVH, D)[:ctx]  # [ctx, KVH, D]
+            v = torch.index_select(paged[1], 0, blocks, out=vbuf[:n]).view(-1, KVH, D)[:ctx]
+            # strided [KVH, D, ctx] / [KVH, ctx, D] views: BLAS takes the row stride as is
+            s = torch.bmm(qg[i], k.permute(1, 2, 0)).mul_(scale)  # [KVH, G, ctx]
+            torch.bmm(torch.softmax(s, -1), v.transpose(0, 1), out=out[i])   # [KVH, G, D]
+        return out.view(B, H, D)
