@@ -14,17 +14,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdd.engine.paged_attention import PagedAttention, build_metadata
+from pdd.engine.paged_attention import DecodeSeq, PagedAttention, build_metadata, split_runs
 
 KVH, H, D, BS = 3, 9, 64, 16
 NUM_BLOCKS = 160
 EACH, BATCHED = 0, 1 << 62   # decode_each_min_tokens forcing either decode path
 
 
-def _batch(rng: random.Random, kinds: list[str]) -> list[tuple[int, int, list[int]]]:
-    """(start, num_tokens, block_ids) per seq; block ids drawn without reuse, shuffled."""
-    free = list(range(NUM_BLOCKS))
-    rng.shuffle(free)
+def _free_list(rng: random.Random, layout: str) -> list[int]:
+    """Block ids in the order the seqs draw them (from the end): scattered, or in runs
+    (ascending and descending, as a pool hands them out) broken up here and there."""
+    ids = list(range(NUM_BLOCKS))
+    if layout == "scattered":
+        rng.shuffle(ids)
+        return ids
+    out, i = [], 0
+    while i < NUM_BLOCKS:
+        n = rng.randrange(1, 24)
+        run = ids[i:i + n]
+        out.extend(run if rng.random() < 0.5 else run[::-1])
+        i += n
+    return out[::-1]
+
+
+def _batch(rng: random.Random, kinds: list[str], layout: str) -> list[tuple[int, int, list[int]]]:
+    """(start, num_tokens, block_ids) per seq; block ids drawn without reuse."""
+    free = _free_list(rng, layout)
     seqs = []
     for kind in kinds:
         if kind == "decode":
@@ -60,20 +75,24 @@ def _run(kv0: torch.Tensor, seqs, q, k, v, min_tokens: int) -> tuple[torch.Tenso
     return att(1, q, k, v), kv
 
 
+@pytest.mark.parametrize("layout", ["scattered", "runs"])
 @pytest.mark.parametrize("seed", range(6))
-def test_mixed_batches_equal_contiguous_reference(seed):
+def test_mixed_batches_equal_contiguous_reference(seed, layout):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     kinds = [rng.choice(["decode", "decode", "extend", "prefill"]) for _ in range(rng.randrange(1, 9))]
     if seed % 3 == 0:
         kinds = ["decode"] * rng.randrange(1, 12)     # all-decode steps take their own branch
-    seqs = _batch(rng, kinds)
+    seqs = _batch(rng, kinds, layout)
     T = sum(n for _, n, _ in seqs)
     kv0 = torch.randn(3, 2, NUM_BLOCKS * BS, KVH, D)   # [L, 2, S, KVH, D]; stale slots are random too
     q, k, v = torch.randn(T, H, D), torch.randn(T, KVH, D), torch.randn(T, KVH, D)
     outs = {}
     for path, min_tokens in (("each", EACH), ("batched", BATCHED)):
         out, kv = _run(kv0, seqs, q, k, v, min_tokens)
+        if path == "each" and layout == "runs" and "decode" in kinds:
+            md = build_metadata(seqs, BS, min_tokens)
+            assert any(d.runs for d in md.decode_each), "no run read in place: the layout tests nothing"
         ref = _reference(kv[1], seqs, q)
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5, msg=f"{path} path, kinds {kinds}")
         outs[path] = (out, kv)
@@ -85,7 +104,20 @@ def test_threshold_picks_the_path_by_padded_tokens():
     seqs = [(2047, 1, list(range(128))), (100, 1, list(range(128, 135)))]
     long = build_metadata(seqs, BS)                         # 2 x 128 blocks x 16 = 4096 padded tokens
     assert long.decode_each is not None and long.decode_blocks is None
-    assert [(b.tolist(), n) for b, n in long.decode_each] == [(list(range(128)), 2048),
-                                                              (list(range(128, 135)), 101)]
+    a, b = long.decode_each
+    assert (a.ctx, a.runs, a.gather, a.gather_tokens) == (2048, [(0, 128)], None, 0)
+    assert (b.ctx, b.runs, b.gather.tolist(), b.gather_tokens) == (101, [(128, 6)], [134], 5)
     short = build_metadata([(100, 1, list(range(7)))], BS)
     assert short.decode_each is None and short.decode_mask is not None
+
+
+def test_split_runs_reads_long_runs_in_place_and_gathers_the_rest():
+    # blocks in allocation order: a descending prompt run, decode blocks, a partial last block
+    blocks = [9, 8, 7, 6, 5, 40, 2, 41, 30]
+    d = split_runs(blocks, ctx=8 * 16 + 3, bs=16, min_run=4)
+    assert d.runs == [(5, 5)]
+    assert d.gather.tolist() == [2, 40, 41, 30]          # short runs sorted, the partial block last
+    assert d.gather_tokens == 3 * 16 + 3
+    full = split_runs([3, 4, 5, 6], ctx=64, bs=16, min_run=4)
+    assert (full.runs, full.gather, full.gather_tokens) == ([(3, 4)], None, 0)
+    assert isinstance(full, DecodeSeq)

@@ -22,6 +22,14 @@ the two matmuls right after, there is no padding to gather or mask, and GQA
 is a view (q as [KVH, G, D] against K as [KVH, L, D]) instead of a copy.
 Short contexts keep the batched call: there the ~6 small ops per sequence
 per layer would cost more than the copies they save.
+
+A decode's query attends to its whole context, so the order of the context
+tokens does not matter (softmax and the weighted sum are over a set). Runs of
+consecutive block ids (a prompt's blocks come out of the pool as one run,
+ascending or, after tail-first release, descending) are therefore read in
+place, as views of the cache, and only the rest (blocks added one at a time
+during decode, the partial last block) is gathered: the copy, not the
+arithmetic, is what a long decode step spends its time on.
 """
 
 from __future__ import annotations
@@ -42,14 +50,23 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeSeq:
+    """One decode's context split into runs read in place and blocks to gather."""
+    ctx: int                           # context length (tokens attended)
+    runs: list[tuple[int, int]]        # (first block id, num blocks), full blocks only
+    gather: torch.Tensor | None        # [m] the other block ids, the partial last block last
+    gather_tokens: int                 # valid tokens in the gathered blocks
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                # [T] where each new token's K/V goes
     decode_tok: torch.Tensor | None = None    # [B] flat indices of single-token seqs
     decode_blocks: torch.Tensor | None = None  # [B * nblk] block table, row-major, padded with 0
     decode_mask: torch.Tensor | None = None   # [B, 1, 1, nblk * block_size] bool
-    # per decode seq (block ids [nblk], context length), set instead of the
-    # padded table/mask when the contexts are long enough to attend one by one
-    decode_each: list[tuple[torch.Tensor, int]] | None = None
+    # per decode seq, set instead of the padded table/mask when the contexts
+    # are long enough to attend one by one
+    decode_each: list[DecodeSeq] | None = None
     all_decode: bool = False                  # every token is a decode, in order (decode_tok = arange)
     prefills: list[PrefillChunk] | None = None
     block_size: int = 16
@@ -60,6 +77,30 @@ class AttentionMetadata:
 # batch 16 x 128 tokens the batched SDPA is faster, from ~1K tokens on the
 # per-sequence path wins and the gap grows with the context (docs/DESIGN.md).
 DECODE_EACH_MIN_TOKENS = 4096
+# Shortest run of consecutive blocks read in place rather than gathered:
+# below it the extra matmul calls cost more than the copy they save.
+DECODE_RUN_MIN_BLOCKS = 4
+
+
+def split_runs(blocks: list[int], ctx: int, bs: int, min_run: int = DECODE_RUN_MIN_BLOCKS) -> DecodeSeq:
+    """A decode's blocks -> runs of >= min_run consecutive full blocks + the rest to gather."""
+    full = ctx // bs
+    ids = sorted(blocks[:full])
+    runs: list[tuple[int, int]] = []
+    rest: list[int] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        if j - i + 1 >= min_run:
+            runs.append((ids[i], j - i + 1))
+        else:
+            rest.extend(ids[i : j + 1])
+        i = j + 1
+    tokens = len(rest) * bs + ctx % bs
+    rest.extend(blocks[full : -(-ctx // bs)])          # the partial last block, if any
+    return DecodeSeq(ctx, runs, torch.tensor(rest, dtype=torch.long) if rest else None, tokens)
 
 
 def build_metadata(
@@ -98,7 +139,7 @@ def build_metadata(
         md.all_decode = not prefills
         nb = max(len(b) for b in dec_blocks)
         if len(dec_tok) * nb * bs >= decode_each_min_tokens:
-            md.decode_each = [(torch.tensor(b, dtype=torch.long), n) for b, n in zip(dec_blocks, dec_lens)]
+            md.decode_each = [split_runs(b, n, bs) for b, n in zip(dec_blocks, dec_lens)]
             return md
         table = [b for row in dec_blocks for b in (row + [0] * (nb - len(row)))]
         md.decode_blocks = torch.tensor(table, dtype=torch.long)
@@ -166,18 +207,34 @@ class PagedAttention:
         seqs = self.md.decode_each
         B, G = qd.shape[0], H // KVH
         if self._each_buf is None:
-            nmax = max(blocks.numel() for blocks, _ in seqs)
+            nmax = max((d.gather.numel() for d in seqs if d.gather is not None), default=0)
             self._each_buf = paged.new_empty((2, nmax) + tuple(paged.shape[2:]))
         kbuf, vbuf = self._each_buf[0], self._each_buf[1]          # [nmax, bs, KVH, D] each
+        bs = paged.shape[2]
+        kflat = paged[0].view(-1, KVH, D)                          # [S, KVH, D]
+        vflat = paged[1].view(-1, KVH, D)
         qg = qd.view(B, KVH, G, D)                                 # head h = kvh * G + g
         out = qd.new_empty((B, KVH, G, D))
         scale = D ** -0.5
-        for i, (blocks, ctx) in enumerate(seqs):
-            n = blocks.numel()
-            # K and V gathered separately: each lands in a contiguous prefix of its buffer
-            k = torch.index_select(paged[0], 0, blocks, out=kbuf[:n]).view(-1, KVH, D)[:ctx]  # [ctx, KVH, D]
-            v = torch.index_select(paged[1], 0, blocks, out=vbuf[:n]).view(-1, KVH, D)[:ctx]
-            # strided [KVH, D, ctx] / [KVH, ctx, D] views: BLAS takes the row stride as is
-            s = torch.bmm(qg[i], k.permute(1, 2, 0)).mul_(scale)  # [KVH, G, ctx]
-            torch.bmm(torch.softmax(s, -1), v.transpose(0, 1), out=out[i])   # [KVH, G, D]
+        for i, d in enumerate(seqs):
+            # pieces of the context, [n, KVH, D] each: runs in place, then the gathered rest
+            ks = [kflat[b * bs : (b + n) * bs] for b, n in d.runs]
+            vs = [vflat[b * bs : (b + n) * bs] for b, n in d.runs]
+            if d.gather is not None:
+                m = d.gather.numel()
+                # K and V gathered separately: each lands in a contiguous prefix of its buffer
+                ks.append(torch.index_select(paged[0], 0, d.gather, out=kbuf[:m]).view(-1, KVH, D)[: d.gather_tokens])
+                vs.append(torch.index_select(paged[1], 0, d.gather, out=vbuf[:m]).view(-1, KVH, D)[: d.gather_tokens])
+            # strided [KVH, D, n] / [KVH, n, D] views: BLAS takes the row stride as is
+            s = torch.cat([torch.bmm(qg[i], k.permute(1, 2, 0)) for k in ks], -1).mul_(scale)  # [KVH, G, ctx]
+            p = torch.softmax(s, -1)
+            oi = out[i]                                            # [KVH, G, D]
+            a = 0
+            for j, v in enumerate(vs):
+                pj = p[:, :, a : a + v.shape[0]]
+                if j == 0:
+                    torch.bmm(pj, v.transpose(0, 1), out=oi)
+                else:
+                    oi.baddbmm_(pj, v.transpose(0, 1))
+                a += v.shape[0]
         return out.view(B, H, D)
