@@ -105,9 +105,10 @@ def split_runs(blocks: list[int], ctx: int, bs: int, min_run: int = DECODE_RUN_M
 
 def build_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int,
-    decode_each_min_tokens: int = DECODE_EACH_MIN_TOKENS,
+    decode_each_min_tokens: int | None = None,
 ) -> AttentionMetadata:
-    """seqs: (start_pos, num_tokens, block_ids) per sequence, in flat order."""
+    """seqs: (start_pos, num_tokens, block_ids) per sequence, in flat order.
+    decode_each_min_tokens: None for DECODE_EACH_MIN_TOKENS, read at call time."""
     bs = block_size
     slots: list[int] = []
     dec_tok: list[int] = []
@@ -138,6 +139,8 @@ def build_metadata(
         md.decode_tok = torch.tensor(dec_tok, dtype=torch.long)
         md.all_decode = not prefills
         nb = max(len(b) for b in dec_blocks)
+        if decode_each_min_tokens is None:
+            decode_each_min_tokens = DECODE_EACH_MIN_TOKENS
         if len(dec_tok) * nb * bs >= decode_each_min_tokens:
             md.decode_each = [split_runs(b, n, bs) for b, n in zip(dec_blocks, dec_lens)]
             return md
