@@ -15,8 +15,9 @@ no gather at all (its context is exactly the k/v just computed).
 Why long decodes go one sequence at a time: a decode step is memory-bound on
 the gather (one core copies ~5 GB/s here). One padded gather for the whole
 batch lands in a buffer far larger than L2 (25 MB at batch 8 x 2K tokens),
-so every byte is written to memory and read back, and SDPA then expands K/V
-3x for GQA (9 query heads over 3 KV heads) and copies the transposed views.
+so every byte is written to memory and read back, padding up to the longest
+context is gathered and masked too, and SDPA works on transposed views with
+GQA (9 query heads over 3 KV heads) left to its CPU fallback.
 Per sequence, the gathered K/V (~1.5 MB each at 2K tokens) stays in L2 for
 the two matmuls right after, there is no padding to gather or mask, and GQA
 is a view (q as [KVH, G, D] against K as [KVH, L, D]) instead of a copy.
@@ -72,10 +73,11 @@ class AttentionMetadata:
     block_size: int = 16
 
 
-# Padded decode tokens (batch x longest context) above which decodes are
-# attended one sequence at a time. Measured on SmolLM2-135M, one thread: at
-# batch 16 x 128 tokens the batched SDPA is faster, from ~1K tokens on the
-# per-sequence path wins and the gap grows with the context (docs/DESIGN.md).
+# Padded decode tokens (batch x longest context) from which decodes are
+# attended one sequence at a time. Measured on SmolLM2-135M, one thread: up
+# to ~4K padded tokens (batch 16 x 128 ... batch 2 x 2K) both paths are within
+# 5%; beyond, the per-sequence path wins more the longer and the more uneven
+# the contexts (1.5-3x per step at 2.5K tokens, docs/DESIGN.md).
 DECODE_EACH_MIN_TOKENS = 4096
 # Shortest run of consecutive blocks read in place rather than gathered:
 # below it the extra matmul calls cost more than the copy they save.
