@@ -21,9 +21,13 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdd.deploy.spec import DeploymentSpec, load_spec
 from pdd.deploy.topology import relay_mappings
+
+if TYPE_CHECKING:
+    from pdd.deploy.supervisor import RestartPolicy, Supervisor
 
 
 class DeploymentError(RuntimeError):
@@ -49,6 +53,9 @@ class Deployment:
     spec: DeploymentSpec
     run_dir: Path
     procs: list[Proc] = field(default_factory=list)
+    # name -> (command, environment): how to start a process again (supervisor.py)
+    recipes: dict[str, tuple[list[str], dict]] = field(default_factory=dict)
+    supervisor: "Supervisor | None" = None
 
     @property
     def name(self) -> str:
@@ -76,7 +83,9 @@ class Deployment:
     # -- start ----------------------------------------------------------------
     @classmethod
     def start(cls, config_path: str | Path, overrides: dict | None = None, run_dir: Path | None = None,
-              cache_dir: Path | None = None, timeout_s: float = 300.0) -> "Deployment":
+              cache_dir: Path | None = None, timeout_s: float = 300.0,
+              supervise: "RestartPolicy | None" = None) -> "Deployment":
+        """supervise: restart any process that dies, with this backoff (`pdd up` does)."""
         from pdd.model.loader import default_cache_dir, resolve_model_path
 
         config_path = Path(config_path)
@@ -116,6 +125,10 @@ class Deployment:
         except BaseException:
             dep.stop()
             raise
+        if supervise is not None:
+            from pdd.deploy.supervisor import Supervisor
+
+            dep.supervisor = Supervisor(dep, supervise).start()
         return dep
 
     def _spawn(self, name: str, cmd: list[str], url: str, env: dict, bearer: str | None = None) -> None:
@@ -124,6 +137,7 @@ class Deployment:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, env=env)
         self.procs.append(Proc(name, p.pid, url, log, bearer))
+        self.recipes[name] = (cmd, env)
         self._record()
 
     def _record(self) -> None:
@@ -144,6 +158,8 @@ class Deployment:
             time.sleep(0.2)
 
     def stop(self) -> None:
+        if self.supervisor is not None:     # first, or it would restart what we stop
+            self.supervisor.stop()
         stop_recorded(self.run_dir)
         self.procs.clear()
 
