@@ -8,6 +8,7 @@ batch over HTTP."""
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -200,14 +201,15 @@ def spoil(body: dict, data) -> dict:
         for k in at[:-1]:
             parent = parent[k]
         how = data.draw(st.sampled_from(["replace", "replace", "drop", "add"]))
+        # copies: sampled_from hands out the same list each time, and it must stay as it was
         if how == "replace":
-            parent[at[-1]] = data.draw(edge)
+            parent[at[-1]] = copy.deepcopy(data.draw(edge))
         elif how == "drop":
             del parent[at[-1]]
         elif isinstance(parent, dict):
-            parent[data.draw(st.text(max_size=8))] = data.draw(edge)
+            parent[data.draw(st.text(max_size=8))] = copy.deepcopy(data.draw(edge))
         else:
-            parent.append(data.draw(edge))
+            parent.append(copy.deepcopy(data.draw(edge)))
     return body
 
 
