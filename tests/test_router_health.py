@@ -1,5 +1,6 @@
 """The router's /health is 503 while a role has no live instance (and says
-which), 200 otherwise, even when degraded; its trace store is an LRU
+which), 200 otherwise, even when degraded; a request that no live instance
+can serve is a clear 503, not a failed dispatch; the trace store is an LRU
 bounded by count (`[router] max_traces`)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from deploy_helpers import deployment_toml
 from pdd.deploy.spec import parse_spec
 from pdd.policy import PolicyConfig
 from pdd.server.cluster import Cluster
-from pdd.server.router import health_report
+from pdd.server.router import health_report, unserviceable_roles
 from pdd.server.trace import RequestTrace, TraceStore
 
 
@@ -71,6 +72,26 @@ def test_health_report_names_roles_without_a_live_instance():
     assert body["roles_without_live_instance"] == ["decode"] and body["down"] == ["d0", "p0"]
     m["p1"].healthy = False
     assert health_report(cluster, "pd-local")[0]["roles_without_live_instance"] == ["decode", "prefill"]
+    assert unserviceable_roles(cluster, "pd-local") == ["decode", "prefill"]
+
+
+def test_pdd_serves_while_either_decoder_lives():
+    doc = {"instances": [
+        {"name": "p0", "role": "prefill", "port": 9001, "kv_port": 9002},
+        {"name": "rld0", "role": "relay", "port": 9003, "kv_port": 9004},
+        {"name": "md0", "role": "main", "datacenter": "B", "port": 9005, "kv_port": 9006}],
+        "links": [{"a": "A", "b": "B"}]}
+    cluster = Cluster(parse_spec(doc), None, PolicyConfig())
+    m = cluster.members
+    m["md0"].healthy = False
+    assert unserviceable_roles(cluster, "pdd") == []                  # RLD carries it alone
+    body, status = health_report(cluster, "pdd")
+    assert status == 503 and body["roles_without_live_instance"] == ["main"]   # but the operator is told
+    m["rld0"].healthy = False
+    assert unserviceable_roles(cluster, "pdd") == ["main", "relay"]
+    m["md0"].healthy = m["rld0"].healthy = True
+    m["p0"].healthy = False
+    assert unserviceable_roles(cluster, "pdd") == ["prefill"]
 
 
 def test_health_503_after_kill_and_bounded_traces_over_a_real_deployment(tiny_model_dir, tmp_path):
@@ -104,5 +125,7 @@ def test_health_503_after_kill_and_bounded_traces_over_a_real_deployment(tiny_mo
         assert code == 503, body
         assert body["roles_without_live_instance"] == ["decode"] and body["down"] == ["d0"]
         assert body["status"] == "unavailable"
+        code, err = _post(dep.router_url + "/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert code == 503 and err["error"]["code"] == "service_unavailable" and "decode" in err["error"]["message"]
     finally:
         dep.stop()

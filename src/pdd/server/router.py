@@ -129,6 +129,18 @@ class RouterServer:
         d = self._least_loaded(Role.DECODE)
         return pd_flow(ctx, self.cluster, self.client, p, d)
 
+    async def _check_serviceable(self) -> None:
+        """A clear 503 instead of a failed dispatch when a role the flow needs
+        has no live instance. The poll's view may be up to a poll old, so a
+        fresh look decides (an instance just restarted is taken at once)."""
+        if not unserviceable_roles(self.cluster, self.mode):
+            return
+        await self.cluster.refresh()
+        missing = unserviceable_roles(self.cluster, self.mode)
+        if missing:
+            raise ApiError(f"no live {' or '.join(missing)} instance: the deployment cannot serve now, retry later",
+                           status=503, type_="server_error", code="service_unavailable")
+
     def _least_loaded(self, role: Role):
         ms = [m for m in self.cluster.role(role) if m.healthy] or self.cluster.role(role)
         return min(ms, key=lambda m: (m.view.num_running + m.view.num_waiting + m.in_flight, m.spec.name))
@@ -136,6 +148,7 @@ class RouterServer:
     async def completions(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = decode_body(await request.read())   # ApiError -> 400 in _guard
         parsed = parse_request(body, chat, self.tokenizer, self.served_model, self.max_model_len)
+        await self._check_serviceable()
         rid = new_request_id()
         trace = RequestTrace(rid, self.mode, len(parsed.prompt_ids))
         self.traces.add(trace)
@@ -211,6 +224,16 @@ class RouterServer:
     def _error(self, e: ApiError, headers: dict | None = None) -> web.Response:
         self.metrics.rejected.inc()
         return web.json_response(e.body(), status=e.status, headers=headers)
+
+
+def unserviceable_roles(cluster: Cluster, mode: str) -> list[str]:
+    """Roles without which no request can be served: P and either decoder
+    in PDD (RLD and MD stand in for each other), every role elsewhere."""
+    dead = {r for r in {m.spec.role for m in cluster.members.values()}
+            if not any(m.healthy for m in cluster.role(r))}
+    if mode == "pdd" and not {Role.RELAY, Role.MAIN} <= dead:
+        dead -= {Role.RELAY, Role.MAIN}
+    return sorted(r.value for r in dead)
 
 
 def health_report(cluster: Cluster, mode: str) -> tuple[dict, int]:
