@@ -24,10 +24,14 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdd.deploy.spec import DeploymentSpec, load_spec
 from pdd.deploy.topology import relay_mappings
 from pdd.keys import DeploymentKeys
+
+if TYPE_CHECKING:
+    from pdd.deploy.supervisor import RestartPolicy, Supervisor
 
 
 class DeploymentError(RuntimeError):
@@ -53,6 +57,9 @@ class Deployment:
     spec: DeploymentSpec
     run_dir: Path
     procs: list[Proc] = field(default_factory=list)
+    # name -> (command, environment): how to start a process again (supervisor.py)
+    recipes: dict[str, tuple[list[str], dict]] = field(default_factory=dict)
+    supervisor: "Supervisor | None" = None
 
     @property
     def name(self) -> str:
@@ -84,7 +91,9 @@ class Deployment:
     # -- start ----------------------------------------------------------------
     @classmethod
     def start(cls, config_path: str | Path, overrides: dict | None = None, run_dir: Path | None = None,
-              cache_dir: Path | None = None, timeout_s: float = 300.0) -> "Deployment":
+              cache_dir: Path | None = None, timeout_s: float = 300.0,
+              supervise: "RestartPolicy | None" = None) -> "Deployment":
+        """supervise: restart any process that dies, with this backoff (`pdd up` does)."""
         from pdd.model.loader import default_cache_dir, resolve_model_path
 
         config_path = Path(config_path)
@@ -125,6 +134,10 @@ class Deployment:
         except BaseException:
             dep.stop()
             raise
+        if supervise is not None:
+            from pdd.deploy.supervisor import Supervisor
+
+            dep.supervisor = Supervisor(dep, supervise).start()
         return dep
 
     def _spawn(self, name: str, cmd: list[str], url: str, env: dict, signer: tuple[bytes, str] | None = None) -> None:
@@ -133,6 +146,7 @@ class Deployment:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, env=env)
         self.procs.append(Proc(name, p.pid, url, log, signer))
+        self.recipes[name] = (cmd, env)
         self._record()
 
     def _record(self) -> None:
@@ -153,6 +167,8 @@ class Deployment:
             time.sleep(0.2)
 
     def stop(self) -> None:
+        if self.supervisor is not None:     # first, or it would restart what we stop
+            self.supervisor.stop()
         stop_recorded(self.run_dir)
         self.procs.clear()
 

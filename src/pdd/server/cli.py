@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", required=True, help="file holding the deployment's shared secret")
     p.add_argument("--cache", default=None, help="model cache dir (default $PDD_CACHE or ~/.cache/pdd)")
     p.add_argument("--override", default=None, help="JSON overrides of the deployment file (used by pdd bench)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="router only: a client API key (repeat or comma-separate for several; also $PDD_API_KEY "
+                        "and the deployment's [router] api_keys_file / api_key_env). None: the API is open")
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -38,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
     cache = Path(args.cache) if args.cache else default_cache_dir()
     model_dir = resolve_model_path(spec.model, cache)
     if args.router:
-        return asyncio.run(_serve_router(spec, secret, model_dir))
+        from pdd.server.api_keys import collect_api_keys
+
+        keys = collect_api_keys(spec, args.api_key, os.environ)   # the one place keys are read
+        return asyncio.run(_serve_router(spec, secret, model_dir, keys))
     return asyncio.run(_serve_instance(spec, spec.instance(args.name), secret, model_dir))
 
 
@@ -78,14 +84,16 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path) -> int:
     return 0
 
 
-async def _serve_router(spec, secret: bytes, model_dir: Path) -> int:
+async def _serve_router(spec, secret: bytes, model_dir: Path, api_keys: frozenset[str]) -> int:
     from aiohttp import web
 
     from pdd.model.loader import read_model_config
     from pdd.model.tokenizer import Tokenizer
+    from pdd.server.api_keys import ApiKeys
     from pdd.server.router import RouterServer
 
-    router = RouterServer(spec, secret, Tokenizer(model_dir), read_model_config(model_dir), model_dir.name)
+    router = RouterServer(spec, secret, Tokenizer(model_dir), read_model_config(model_dir), model_dir.name,
+                          ApiKeys(api_keys))
     runner = web.AppRunner(router.app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, spec.router_host, spec.router_port).start()

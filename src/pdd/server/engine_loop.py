@@ -17,6 +17,7 @@ Lifecycle of a request's queue: created by `submit`, fed StepEvents, closed
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -24,6 +25,8 @@ from typing import Any, Callable
 
 from pdd.engine.engine import Engine, StepEvent
 from pdd.engine.request import EngineRequest
+
+log = logging.getLogger(__name__)
 
 
 class EngineLoop:
@@ -86,7 +89,12 @@ class EngineLoop:
             t0 = time.perf_counter()
             try:
                 events = self.engine.step()
-            except Exception as e:  # a failed step must not hang its requests
+            except Exception as e:
+                # Engine.step already fails a request whose own computation
+                # raises, alone; reaching here means the engine's bookkeeping
+                # itself broke, and then no request's state can be trusted.
+                # Still, none may hang.
+                log.exception("engine step failed")
                 events = self._fail_all(f"engine step failed: {e!r}")
             self.busy_s += time.perf_counter() - t0
             if events:
