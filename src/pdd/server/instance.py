@@ -57,6 +57,7 @@ class KVArrival:
     skipped: set = field(default_factory=set)        # indices this receiver already held (HAVE)
     landed: set = field(default_factory=set)         # indices whose blocks are in the pool
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    awaited: bool = False         # a decode call waits on it (under its own timeout): never expire it
     warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
 
 
@@ -339,7 +340,10 @@ class InstanceServer:
             await asyncio.sleep(5.0)
             now = time.monotonic()
             for rid, a in list(self.arrivals.items()):
-                if now - a.created_s > self.spec.kv_deadline_s * 2 and rid not in self.engine.requests:
+                # A decode call may wait longer than this for its KV while P's
+                # queue is long (overload): its own timeout governs it.
+                if (not a.awaited and now - a.created_s > self.spec.kv_deadline_s * 2
+                        and rid not in self.engine.requests):
                     self._drop_arrival(rid)
 
     # -- decode side: requests -------------------------------------------------------
@@ -355,6 +359,7 @@ class InstanceServer:
         timeout_s = float(body.get("kv_timeout_s", self.spec.kv_deadline_s))
         arrival = self._arrival(rid)
         async with NdjsonWriter(request) as out:
+            arrival.awaited = True
             try:
                 status = await asyncio.wait_for(asyncio.shield(arrival.done), timeout_s)
             except (asyncio.TimeoutError, RuntimeError) as e:
@@ -362,6 +367,8 @@ class InstanceServer:
                 self._drop_arrival(rid)
                 await out.send({"event": "finished", "reason": "error", "error": msg, "ts": time.time()})
                 return out.resp
+            finally:
+                arrival.awaited = False       # nobody waits now: expiry applies again
             self.arrivals.pop(rid, None)
             first = int(status.meta.get("first_token"))
             await out.send({"event": "kv_ready", "ts": time.time(), "payload_bytes": status.payload_bytes,
