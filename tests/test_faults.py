@@ -78,7 +78,8 @@ def test_blackholed_wan_fails_within_the_kv_deadline(slow_pd_wan):
         asyncio.run(ctl.restore())
     elapsed = time.monotonic() - t0
     assert elapsed < 8.0 + 6.0, elapsed
-    assert err.value.status_code == 502 and "deadline" in str(err.value).lower() or "KV" in str(err.value)
+    msg = str(err.value)
+    assert err.value.status_code == 502 and ("deadline" in msg.lower() or "KV" in msg), msg
 
 
 @pytest.fixture(scope="module")

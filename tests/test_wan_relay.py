@@ -148,8 +148,10 @@ def test_cut_fails_kv_transfer_within_deadline_and_restore_recovers():
                 await asyncio.sleep(0.02)
             ends = {s.request_id: s for s in sink.ends}
             assert len(sink.ends) == 4 and sorted(ends) == ["after-blackhole", "after-reset", "cut-blackhole", "cut-reset"]
-            assert ends["after-reset"].ok and ends["after-blackhole"].ok and not ends["cut-reset"].ok
-            assert link.stats.num_resets >= 1 and link.stats.num_bytes_dropped >= 0
+            assert ends["after-reset"].ok and ends["after-blackhole"].ok
+            # Both cut transfers ended failed on the receiver too; the reset cut refused a connection.
+            assert not ends["cut-reset"].ok and not ends["cut-blackhole"].ok
+            assert link.stats.num_resets >= 1
         finally:
             await sender.close()
             await link.close()
