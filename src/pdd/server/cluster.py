@@ -72,7 +72,7 @@ class Cluster:
                 return
             except Exception as e:  # an unreachable instance stays in the view, marked unhealthy
                 m.healthy = False
-                log.debug("stats from %s failed: %r", m.spec.name, e)
+                log.warning("stats from %s failed: %r", m.spec.name, e)
                 return
             m.healthy = True
             m.view = replace(m.view, num_running=int(s["num_running"]), num_waiting=int(s["num_waiting"]),
