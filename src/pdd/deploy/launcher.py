@@ -1,7 +1,8 @@
 """Start and stop a whole deployment on this machine.
 
 `Deployment.start(path)` prepares the model once, writes a fresh shared
-secret, starts the WAN relays, every instance and the router (each its own
+secret and (TLS on) a fresh deployment CA with a certificate per instance and
+the router (pdd.transport.tls), starts the WAN relays, every instance and the router (each its own
 process group, logs under the run directory), waits until all answer
 /health, and records their pids. `stop()` (and `pdd down`) ends exactly
 those process groups: SIGTERM, then SIGKILL after a grace period.
@@ -15,6 +16,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -42,6 +44,7 @@ class Proc:
     url: str                 # health URL
     log: Path
     bearer: str | None = None   # the WAN relay's control API wants the secret
+    ca: Path | None = None      # an https health URL: verify the server against this CA
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Deployment:
     spec: DeploymentSpec
     run_dir: Path
     procs: list[Proc] = field(default_factory=list)
+    tls_dir: Path | None = None     # certificates (None: TLS off)
 
     @property
     def name(self) -> str:
@@ -91,7 +95,14 @@ class Deployment:
         secret_file.write_text(secrets.token_hex(32))
         secret_file.chmod(0o600)
         _check_ports_free(spec)
-        dep = cls(spec, run_dir)
+        from pdd.transport.tls import TlsError, ensure_certs, http_tls
+
+        try:
+            tls_dir = ensure_certs(spec, run_dir)
+        except TlsError as e:
+            raise DeploymentError(str(e)) from None
+        dep = cls(spec, run_dir, tls_dir=tls_dir)
+        tls_args = ["--tls-dir", str(tls_dir)] if tls_dir is not None else []
         base = [sys.executable, "-m", "pdd.cli"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PDD_CACHE": str(cache_dir)}
         try:
@@ -106,11 +117,14 @@ class Deployment:
             extra = ["--override", json.dumps(overrides)] if overrides else []
             for inst in spec.instances:
                 cmd = base + ["serve", "-c", str(config_path), "--name", inst.name,
-                              "--secret-file", str(secret_file), "--cache", str(cache_dir)] + extra
-                dep._spawn(inst.name, cmd, f"http://{inst.host}:{inst.port}/health", env)
+                              "--secret-file", str(secret_file), "--cache", str(cache_dir)] + tls_args + extra
+                if http_tls(spec, inst):
+                    dep._spawn(inst.name, cmd, f"https://{inst.host}:{inst.port}/health", env, ca=tls_dir / "ca.crt")
+                else:
+                    dep._spawn(inst.name, cmd, f"http://{inst.host}:{inst.port}/health", env)
             dep._wait_healthy(timeout_s, [p for p in dep.procs])
             cmd = base + ["serve", "-c", str(config_path), "--router", "--secret-file", str(secret_file),
-                          "--cache", str(cache_dir)] + extra
+                          "--cache", str(cache_dir)] + tls_args + extra
             dep._spawn("router", cmd, f"http://{spec.router_host}:{spec.router_port}/health", env)
             dep._wait_healthy(timeout_s, dep.procs[-1:])
         except BaseException:
@@ -118,12 +132,13 @@ class Deployment:
             raise
         return dep
 
-    def _spawn(self, name: str, cmd: list[str], url: str, env: dict, bearer: str | None = None) -> None:
+    def _spawn(self, name: str, cmd: list[str], url: str, env: dict, bearer: str | None = None,
+               ca: Path | None = None) -> None:
         log = self.run_dir / "logs" / f"{name}.log"
         with open(log, "wb") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, env=env)
-        self.procs.append(Proc(name, p.pid, url, log, bearer))
+        self.procs.append(Proc(name, p.pid, url, log, bearer, ca))
         self._record()
 
     def _record(self) -> None:
@@ -137,7 +152,7 @@ class Deployment:
             for p in list(pending):
                 if not _alive(p.pid):
                     raise DeploymentError(f"{p.name} exited during start-up; log {p.log}:\n{_tail(p.log)}")
-                if _healthy(p.url, p.bearer):
+                if _healthy(p.url, p.bearer, p.ca):
                     pending.remove(p)
             if time.monotonic() > deadline:
                 raise DeploymentError(f"not healthy within {timeout_s:.0f} s: {[p.name for p in pending]}")
@@ -162,10 +177,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _healthy(url: str, bearer: str | None = None) -> bool:
+def _healthy(url: str, bearer: str | None = None, ca: Path | None = None) -> bool:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {bearer}"} if bearer else {})
+    context = None
+    if ca is not None:
+        # A liveness probe: the CA must vouch for the server, but it is reached by
+        # address, not by its certificate's name (no client certificate needed).
+        context = ssl.create_default_context(cafile=str(ca))
+        context.check_hostname = False
     try:
-        with urllib.request.urlopen(req, timeout=1.0) as r:
+        with urllib.request.urlopen(req, timeout=1.0, context=context) as r:
             return r.status == 200
     except OSError:
         return False

@@ -20,13 +20,14 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
-from pdd.deploy.spec import DeploymentSpec, InstanceSpec, Role
+from pdd.deploy.spec import ROUTER_CERT_NAME, DeploymentSpec, InstanceSpec, Role
 from pdd.engine.engine import Engine, InvalidRequestError
 from pdd.engine.hashing import hash_blocks
-from pdd.engine.kv_codec import KVImportError
+from pdd.engine.kv_codec import BLOCK_DIGEST, KVImportError, open_block
 from pdd.engine.request import EngineRequest
 from pdd.server.engine_loop import EngineLoop
 from pdd.server.http_auth import internal_auth_middleware
@@ -36,6 +37,7 @@ from pdd.server.wire import NdjsonWriter, sampling_from_dict
 from pdd.transport.kv_receiver import KVReceiver
 from pdd.transport.kv_sender import KVSender
 from pdd.transport.state import TransferStatus
+from pdd.transport import tls
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +62,22 @@ class KVArrival:
     warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
 
 
+def _tls_peer_middleware(allowed: frozenset[str]):
+    """On a TLS port, /internal/ calls need a client certificate naming an allowed peer
+    (the router): a certificate the CA signed for another instance is refused too."""
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith("/internal/") and not tls.peer_names(request.transport) & allowed:
+            return bad_request("internal calls on this port need the router's TLS client certificate", 403)
+        return await handler(request)
+    return check
+
+
 class InstanceServer:
-    def __init__(self, spec: DeploymentSpec, inst: InstanceSpec, secret: bytes, engine: Engine):
+    def __init__(self, spec: DeploymentSpec, inst: InstanceSpec, secret: bytes, engine: Engine,
+                 tls_dir: Path | None = None):
         self.spec, self.inst, self.secret, self.engine = spec, inst, secret, engine
+        self.tls_files = tls.TlsFiles(tls_dir, inst.name) if tls_dir is not None else None
         self.loop: EngineLoop | None = None
         self.receiver: KVReceiver | None = None
         self.sender: KVSender | None = None
@@ -70,7 +85,10 @@ class InstanceServer:
         self.jobs: dict[str, PrefillJob] = {}
         self.metrics = InstanceMetrics(inst.name, inst.role.value)
         self.kv_reuse = bool(spec.policy.get("enable_drc", True))
-        self.app = web.Application(middlewares=[internal_auth_middleware(secret)], client_max_size=64 << 20)
+        middlewares = [internal_auth_middleware(secret)]
+        if tls.http_tls(spec, inst):
+            middlewares.append(_tls_peer_middleware(frozenset({ROUTER_CERT_NAME})))
+        self.app = web.Application(middlewares=middlewares, client_max_size=64 << 20)
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics_endpoint)
@@ -94,15 +112,26 @@ class InstanceServer:
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
         self.loop.on_step = self.metrics.on_events
         self.loop.start()
-        if self.inst.role.decodes:
-            self.receiver = await KVReceiver.start(self.inst.host, self.inst.kv_port, self.secret, self)
-        if self.inst.role == Role.PREFILL:
-            self.sender = KVSender(self.secret)
+        spec, inst = self.spec, self.inst
+        if inst.role.decodes:
+            kv_tls = tls.server_context(self._tls_files()) if tls.kv_tls(spec, inst) else None
+            self.receiver = await KVReceiver.start(inst.host, inst.kv_port, self.secret, self,
+                                                   tls=kv_tls, tls_peers=tls.kv_senders(spec))
+        if inst.role == Role.PREFILL:
+            peers = tls.kv_peers(spec, inst, self._tls_files()) if tls.uses_tls(spec) else {}
+            self.sender = KVSender(self.secret, tls=lambda host, port: peers.get((host, port)), seal_blocks=True)
         runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
-        await web.TCPSite(runner, self.inst.host, self.inst.port).start()
+        http_tls = tls.server_context(self._tls_files(), require_client_cert=False) if tls.http_tls(spec, inst) else None
+        await web.TCPSite(runner, inst.host, inst.port, ssl_context=http_tls).start()
         asyncio.get_running_loop().create_task(self._expire_arrivals())
         return runner
+
+    def _tls_files(self) -> tls.TlsFiles:
+        if self.tls_files is None:
+            raise tls.TlsError(f"TLS is on (tls.mode = {self.spec.tls.mode.value}) but {self.inst.name} was given "
+                               f"no certificate directory (pdd serve --tls-dir, or [tls] dir)")
+        return self.tls_files
 
     async def close(self) -> None:
         if self.receiver:
@@ -240,6 +269,9 @@ class InstanceServer:
         asyncio.get_running_loop().create_task(self.loop.call(lambda e: e._release_pins(rid)))
 
     async def on_begin(self, request_id: str, meta: dict, block_hashes: list[bytes]) -> set[int]:
+        if meta.get("block_digest") != BLOCK_DIGEST:
+            # Without the per-block seal a block altered before or after the wire could not be told apart.
+            raise KVImportError(f"KV blocks must be sealed with {BLOCK_DIGEST} (got {meta.get('block_digest')!r})")
         a = self._arrival(request_id)
         a.warm = bool(meta.get("warm"))
 
@@ -258,6 +290,11 @@ class InstanceServer:
         a = self.arrivals.get(request_id)
         if a is None or a.importer is None:
             raise KVImportError(f"no transfer begun for {request_id}")
+        # The import check: from here to the pool the bytes are an immutable
+        # object, so what passes is what the sender read. A mismatch fails the
+        # transfer (the receiver answers ERROR), so the request takes the
+        # policy's failure path instead of decoding on altered KV.
+        payload = open_block(payload, index)
         # Blocks go into the pool in batches: one engine-thread call per batch, not
         # per block, so a decoder busy with long steps still imports at line rate.
         # Each call waits for the engine's next step boundary, so a small

@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 
 
 class RouterServer:
-    def __init__(self, spec: DeploymentSpec, secret: bytes, tokenizer, model_cfg, served_model: str):
+    def __init__(self, spec: DeploymentSpec, secret: bytes, tokenizer, model_cfg, served_model: str,
+                 internal_tls: dict | None = None):
         self.spec, self.secret, self.tokenizer, self.model_cfg = spec, secret, tokenizer, model_cfg
+        self.internal_tls = internal_tls or {}     # base URL -> TlsPeer (pdd.transport.tls.router_peers)
         self.served_model = served_model
         self.mode = spec.mode
         self.policy = PolicyConfig.from_dict(spec.policy)
@@ -58,7 +60,7 @@ class RouterServer:
 
     async def _startup(self, app) -> None:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
-        self.client = InternalClient(self.secret, session)
+        self.client = InternalClient(self.secret, session, tls=self.internal_tls)
         self.cluster = Cluster(self.spec, self.client, self.policy)
         await self.cluster.refresh()
         self._poller = asyncio.get_running_loop().create_task(self.cluster.poll_forever())

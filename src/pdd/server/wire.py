@@ -12,6 +12,7 @@ from aiohttp import web
 
 from pdd.engine.request import SamplingParams
 from pdd.server.http_auth import sign
+from pdd.transport.tls import TlsPeer
 
 
 def sampling_to_dict(sp: SamplingParams) -> dict:
@@ -47,16 +48,29 @@ class NdjsonWriter:
 
 
 class InternalClient:
-    """Signed calls from the router to instances (JSON in, JSON or NDJSON out)."""
+    """Signed calls from the router to instances (JSON in, JSON or NDJSON out).
 
-    def __init__(self, secret: bytes, session: aiohttp.ClientSession):
+    tls: base URL ("http://host:port", as the cluster addresses an instance)
+    -> the TLS peer there. Such calls go over https and succeed only if the
+    server's certificate names that instance (the address may be the WAN
+    relay's, so the name is checked, not the host)."""
+
+    def __init__(self, secret: bytes, session: aiohttp.ClientSession, tls: dict[str, TlsPeer] | None = None):
         self.secret = secret
         self.session = session
+        self.tls = dict(tls or {})
+
+    def _url(self, base: str, path: str) -> tuple[str, dict]:
+        peer = self.tls.get(base)
+        if peer is None:
+            return base + path, {}
+        return "https" + base.removeprefix("http") + path, {"ssl": peer.context, "server_hostname": peer.name}
 
     async def post(self, base: str, path: str, body: dict, timeout_s: float = 30.0) -> dict:
+        url, tls = self._url(base, path)
         async with self.session.post(
-            base + path, json=body, headers=sign(self.secret, "POST", path),
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            url, json=body, headers=sign(self.secret, "POST", path),
+            timeout=aiohttp.ClientTimeout(total=timeout_s), **tls,
         ) as r:
             data = await r.json(content_type=None)
             if r.status >= 400:
@@ -64,8 +78,9 @@ class InternalClient:
             return data
 
     async def get(self, base: str, path: str, timeout_s: float = 5.0) -> dict:
+        url, tls = self._url(base, path)
         async with self.session.get(
-            base + path, headers=sign(self.secret, "GET", path), timeout=aiohttp.ClientTimeout(total=timeout_s)
+            url, headers=sign(self.secret, "GET", path), timeout=aiohttp.ClientTimeout(total=timeout_s), **tls,
         ) as r:
             if r.status >= 400:
                 raise InternalCallError(f"{path} -> {r.status}")
@@ -73,9 +88,10 @@ class InternalClient:
 
     async def stream(self, base: str, path: str, body: dict, timeout_s: float) -> AsyncIterator[dict]:
         """Yields NDJSON objects; the whole stream is bounded by timeout_s."""
+        url, tls = self._url(base, path)
         async with self.session.post(
-            base + path, json=body, headers=sign(self.secret, "POST", path),
-            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_read=timeout_s),
+            url, json=body, headers=sign(self.secret, "POST", path),
+            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_read=timeout_s), **tls,
         ) as r:
             if r.status >= 400:
                 raise InternalCallError(f"{path} -> {r.status}: {await r.text()}")

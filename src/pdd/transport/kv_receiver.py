@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import ssl
 import time
 from dataclasses import dataclass, asdict
 from typing import Any, Protocol
@@ -30,6 +31,7 @@ from pdd.transport.frames import (
 )
 from pdd.transport.state import TransferState, TransferStatus
 from pdd.transport.stream import STREAM_LIMIT_BYTES, FrameStream
+from pdd.transport.tls import peer_names
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +82,21 @@ class KVReceiver:
         self.deadline_grace_s = deadline_grace_s
         self.max_frame_bytes = max_frame_bytes
         self.stats = ReceiverStats()
+        self.tls_peers: frozenset[str] | None = None
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
 
     @classmethod
-    async def start(cls, host: str, port: int, secret: str | bytes, handler: ReceiverHandler, **kwargs: Any) -> "KVReceiver":
+    async def start(cls, host: str, port: int, secret: str | bytes, handler: ReceiverHandler, *,
+                    tls: ssl.SSLContext | None = None, tls_peers: frozenset[str] | None = None,
+                    **kwargs: Any) -> "KVReceiver":
+        """tls: a server context that requires a client certificate (tls.server_context);
+        tls_peers: the certificate names allowed to send (None: any the CA signed)."""
         self = cls(secret, handler, **kwargs)
-        self._server = await asyncio.start_server(self._serve, host, port, limit=STREAM_LIMIT_BYTES)
+        self.tls_peers = tls_peers if tls is not None else None
+        tls_kw = {} if tls is None else {"ssl": tls, "ssl_handshake_timeout": self.auth_timeout_s}
+        self._server = await asyncio.start_server(self._serve, host, port, limit=STREAM_LIMIT_BYTES, **tls_kw)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -112,6 +121,12 @@ class KVReceiver:
         stream = FrameStream(reader, writer, self.max_frame_bytes)
         self.stats.num_connections += 1
         try:
+            if self.tls_peers is not None and not peer_names(writer) & self.tls_peers:
+                # The CA vouched for the certificate, but it names no instance allowed to send KV here.
+                self.stats.num_auth_failures += 1
+                log.warning("kv receiver: dropped %s: certificate for %s may not send KV", stream.peer,
+                            sorted(peer_names(writer)) or "no name")
+                return
             try:
                 await server_handshake(stream, self.secret, self.auth_timeout_s)
             except (AuthError, TimeoutError, ConnectionError, FrameError, OSError) as e:
