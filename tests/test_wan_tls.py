@@ -20,6 +20,7 @@ import ssl
 import struct
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import pytest
 
 from deploy_helpers import deployment_toml
 from pdd.deploy.launcher import Deployment
-from pdd.deploy.spec import ROUTER_CERT_NAME, TlsMode, load_spec
+from pdd.deploy.spec import ROUTER_CERT_NAME, SpecError, TlsMode, load_spec
 from pdd.deploy.topology import address, relay_mappings
 from pdd.engine.kv_codec import DIGEST_BYTES, KVImportError, open_block, seal_block
 from pdd.model.reference import generate_greedy
@@ -147,6 +148,14 @@ def test_tls_placement_follows_the_datacenters(tmp_path, tiny_model_dir):
     assert all(tls.http_tls(every, i) for i in every.instances)
     off = load_spec(path, {"tls": {"mode": "off"}})
     assert off.tls.mode == TlsMode.OFF and not tls.uses_tls(off)
+    assert load_spec(path, {"tls": {"dir": "certs"}}).tls.dir == tmp_path / "certs"   # beside the file
+    with pytest.raises(SpecError, match="tls.mode"):
+        load_spec(path, {"tls": {"mode": "sometimes"}})
+    doc = path.read_text().replace('name = "md0"', 'name = "router"')
+    path.write_text(doc)
+    with pytest.raises(SpecError, match="certificate names"):
+        load_spec(path)
+    assert load_spec(path, {"tls": {"mode": "off"}}).instance("router").role.value == "main"
 
 
 # -- deployments behind a test-only WAN tap -----------------------------------------------
@@ -203,8 +212,12 @@ class Tap:
             cw.close()
             return
         alter = self._forger() if lp in self.kv_ports else None
-        await asyncio.gather(self._pump(cr, sw, self.a_to_b[lp], alter), self._pump(sr, cw, self.b_to_a[lp], None),
-                             return_exceptions=True)
+        try:
+            await asyncio.gather(self._pump(cr, sw, self.a_to_b[lp], alter),
+                                 self._pump(sr, cw, self.b_to_a[lp], None), return_exceptions=True)
+        finally:
+            cw.close()
+            sw.close()
 
     async def _pump(self, reader, writer, log: bytearray, alter) -> None:
         try:
@@ -212,10 +225,10 @@ class Tap:
                 log += data
                 writer.write(alter(data) if alter else data)
                 await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()      # FIN forwarded, the other direction stays open (as the relay does)
         except (ConnectionError, OSError):
-            pass
-        finally:
-            writer.transport.abort()   # one side gone: drop the other (a line, not a proxy that lingers)
+            writer.transport.abort()    # a reset on one side resets the other
 
     def _forger(self):
         buf, seen = bytearray(), [0]
@@ -275,8 +288,23 @@ def swap_relay_for_tap(dep: Deployment, **kw):
     mappings = relay_mappings(dep.spec, dep.spec.links[0])
     kv_ports = {lp for lp, _, tp in mappings if tp in {i.kv_port for i in dep.spec.instances}}
     with Tap(mappings, kv_ports, **kw) as tap:
-        time.sleep(1.0)   # let the router's health poll see MD through the tap again
+        wait_all_healthy(dep)     # the router saw MD down while the relay was gone
         yield tap
+
+
+def wait_all_healthy(dep: Deployment, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{dep.spec.router_host}:{dep.spec.router_port}/health",
+                                        timeout=10) as r:
+                health = json.loads(r.read())
+        except urllib.error.HTTPError as e:     # a degraded router may answer 503
+            health = json.loads(e.read())
+        if not health["down"]:
+            return
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
 
 
 def complete(dep: Deployment, prompt: list[int], n: int) -> tuple[str, dict]:
@@ -359,8 +387,9 @@ def test_forged_kv_block_with_valid_crc_is_refused_and_the_request_finishes(tmp_
         with urllib.request.urlopen(f"http://127.0.0.1:{dep.spec.instance('md0').port}/metrics", timeout=10) as r:
             metrics = r.read().decode()
         assert "pdd_kv_cached_blocks" in metrics
-        cached = [ln for ln in metrics.splitlines() if ln.startswith("pdd_kv_cached_blocks")]
-        assert cached and float(cached[0].split()[-1]) == 0.0, cached     # nothing of it was cached
+        def metric(name: str) -> float:
+            return float(next(ln for ln in metrics.splitlines() if ln.startswith(name)).split()[-1])
+        assert metric("pdd_kv_cached_blocks") == 0.0                       # nothing of it was cached
     finally:
         dep.stop()
 
@@ -399,6 +428,11 @@ def test_a_byte_flipped_in_the_tls_stream_fails_its_mac_and_the_request_finishes
             assert internal_match(dep, base, p0) == 403
             router = tls.TlsPeer(tls.client_context(tls.TlsFiles(dep.tls_dir, ROUTER_CERT_NAME)), "md0")
             assert internal_match(dep, base, router) == 200
+        # an operator's tool on this host reaches MD's API directly (Deployment.instance_url)
+        url, ctx = dep.instance_url("md0")
+        assert url.startswith("https://") and ctx is not None
+        with urllib.request.urlopen(url + "/metrics", timeout=10, context=ctx) as r:
+            assert b"pdd_kv_failed_transfers" in r.read()
     finally:
         dep.stop()
 

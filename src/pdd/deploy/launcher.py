@@ -73,6 +73,20 @@ class Deployment:
         link = self.spec.links[k]
         return WanControlClient(link.relay_host, link.control_port, self.secret.decode())
 
+    def instance_url(self, name: str) -> tuple[str, ssl.SSLContext | None]:
+        """Base URL of an instance's HTTP API from this host, and the SSL context
+        for it (None: plain http): verified against the deployment CA and
+        presenting the router's certificate, so tools may make /internal/ calls."""
+        from pdd.deploy.spec import ROUTER_CERT_NAME
+        from pdd.transport.tls import TlsFiles, client_context, http_tls
+
+        inst = self.spec.instance(name)
+        if self.tls_dir is None or not http_tls(self.spec, inst):
+            return f"http://{inst.host}:{inst.port}", None
+        ctx = client_context(TlsFiles(self.tls_dir, ROUTER_CERT_NAME))
+        ctx.check_hostname = False     # reached by address (urllib cannot pass the name); the CA still vouches
+        return f"https://{inst.host}:{inst.port}", ctx
+
     @property
     def secret(self) -> bytes:
         return (self.run_dir / "secret").read_bytes().strip()

@@ -122,7 +122,9 @@ class InstanceServer:
             self.sender = KVSender(self.secret, tls=lambda host, port: peers.get((host, port)), seal_blocks=True)
         runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
-        http_tls = tls.server_context(self._tls_files(), require_client_cert=False) if tls.http_tls(spec, inst) else None
+        http_tls = None
+        if tls.http_tls(spec, inst):
+            http_tls = tls.server_context(self._tls_files(), require_client_cert=False)
         await web.TCPSite(runner, inst.host, inst.port, ssl_context=http_tls).start()
         asyncio.get_running_loop().create_task(self._expire_arrivals())
         return runner

@@ -69,6 +69,25 @@ async def _call(fn: Any, *args: Any) -> Any:
     return result
 
 
+LINGER_S = 1.0   # after refusing a transfer: how long to discard what the sender still had in flight
+
+
+async def _let_sender_read_error(stream: FrameStream) -> None:
+    """Closing a socket with unread bytes in it sends RST, and a reset can
+    overtake our ERROR frame (in the peer's stack, or in a relay), so the
+    sender would report "connection lost" instead of the reason (e.g. a block
+    that failed its checksum). So: half-close after the ERROR, and read and
+    discard until the sender, which reads while it sends, hangs up."""
+    if stream.writer.can_write_eof():
+        stream.writer.write_eof()
+    try:
+        async with asyncio.timeout(LINGER_S):
+            while await stream.reader.read(1 << 16):
+                pass
+    except (TimeoutError, ConnectionError, OSError):
+        pass
+
+
 class KVReceiver:
     def __init__(self, secret: str | bytes, handler: ReceiverHandler, *,
                  auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
@@ -210,9 +229,12 @@ class KVReceiver:
             elif isinstance(e, (ConnectionError, OSError)):
                 msg = f"connection lost: {msg}"
             status.fail(msg, time.monotonic())
-            if not isinstance(e, (ConnectionError, OSError)) and not status.cancelled:
+            refused = not isinstance(e, (ConnectionError, OSError)) and not status.cancelled
+            if refused:
                 stream.write(encode_error(msg))
             await self._finish(status)
+            if refused:
+                await _let_sender_read_error(stream)
             return False
 
     @staticmethod

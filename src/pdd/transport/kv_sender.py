@@ -190,19 +190,40 @@ class KVSender:
                     raise _PeerError(f"protocol error: expected HAVE for {len(hashes)} blocks, got {have}")
                 status.num_blocks_skipped = len(have.indices)
                 status.state = TransferState.TRANSFERRING
-                for i, block_hash in enumerate(hashes):
-                    if i in have.indices:
-                        continue
-                    payload = get_block(i)
-                    if inspect.isawaitable(payload):
-                        payload = await payload
-                    wire_payload = seal_block(payload) if self.seal_blocks else payload
-                    status.bytes_sent += stream.write(encode_block(i, block_hash, wire_payload, self.max_frame_bytes))
-                    status.num_blocks_sent += 1
-                    status.payload_bytes += len(payload)
-                    await stream.drain()
-                status.bytes_sent += stream.write(encode_end(status.num_blocks_sent))
-                ack = await stream.read_frame(None)
+                # Read the receiver's answer while sending: a receiver that refuses
+                # mid-transfer (a block failing its seal, a handler error) says why
+                # in an ERROR and closes; stop at once and report that reason, not
+                # the reset our next write would meet.
+                answer = asyncio.ensure_future(stream.read_frame(None))
+                try:
+                    for i, block_hash in enumerate(hashes):
+                        if answer.done():
+                            break
+                        if i in have.indices:
+                            continue
+                        payload = get_block(i)
+                        if inspect.isawaitable(payload):
+                            payload = await payload
+                        wire_payload = seal_block(payload) if self.seal_blocks else payload
+                        status.bytes_sent += stream.write(encode_block(i, block_hash, wire_payload,
+                                                                       self.max_frame_bytes))
+                        status.num_blocks_sent += 1
+                        status.payload_bytes += len(payload)
+                        await stream.drain()
+                    if not answer.done():
+                        status.bytes_sent += stream.write(encode_end(status.num_blocks_sent))
+                    ack = await answer
+                except (ConnectionError, OSError):
+                    await asyncio.sleep(0)       # let a frame that arrived before the reset be read
+                    if answer.done() and not answer.cancelled() and answer.exception() is None \
+                            and isinstance(answer.result(), Error):
+                        raise _PeerError(f"receiver failed transfer: {answer.result().message}") from None
+                    raise
+                finally:
+                    if not answer.done():
+                        answer.cancel()
+                    elif not answer.cancelled():
+                        answer.exception()   # retrieved: a failure is reported by the paths below
                 if isinstance(ack, Error):
                     raise _PeerError(f"receiver failed transfer: {ack.message}")
                 if not isinstance(ack, End) or ack.num_blocks != status.num_blocks_sent:
