@@ -2,9 +2,9 @@
 
 `Deployment.start(path)` prepares the model once, writes a fresh shared
 secret and (TLS on) a fresh deployment CA with a certificate per instance and
-the router (pdd.transport.tls), starts the WAN relays, every instance and the router (each its own
-process group, logs under the run directory), waits until all answer
-/health, and records their pids. `stop()` (and `pdd down`) ends exactly
+the router (pdd.transport.tls), starts the WAN relays, every instance and the
+router (each its own process group, logs under the run directory), waits
+until all answer /health, and records their pids. `stop()` (and `pdd down`) ends exactly
 those process groups: SIGTERM, then SIGKILL after a grace period.
 """
 

@@ -34,10 +34,10 @@ from pdd.server.http_auth import internal_auth_middleware
 from pdd.server.instance_metrics import InstanceMetrics
 from pdd.server.prefill_job import PrefillJob
 from pdd.server.wire import NdjsonWriter, sampling_from_dict
+from pdd.transport import tls
 from pdd.transport.kv_receiver import KVReceiver
 from pdd.transport.kv_sender import KVSender
 from pdd.transport.state import TransferStatus
-from pdd.transport import tls
 
 log = logging.getLogger(__name__)
 
