@@ -137,6 +137,36 @@ def test_sealed_block_altered_anywhere_fails_its_checksum():
             open_block(bytes(bad), 7)
 
 
+class Importer(Sink):
+    """Opens sealed blocks as MD's on_block does."""
+
+    def on_block(self, rid, i, h, payload):
+        self.blocks[i] = open_block(payload, i)
+
+
+def test_forged_sealed_block_is_refused_and_the_sender_stops_with_the_reason(certs):
+    async def main():
+        importer = Importer()
+        receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, importer)
+        blocks = [seal_block(os.urandom(65536)) for _ in range(400)]
+        forged = bytearray(blocks[1])
+        forged[-1] ^= 0x01
+        blocks[1] = bytes(forged)   # CRC of its frame computed by the encoder: valid
+        sender = KVSender(SECRET)   # blocks pre-sealed by the test
+        try:
+            st = await sender.send("127.0.0.1", receiver.port, "r", {"block_digest": "sha256"},
+                                   [os.urandom(16) for _ in blocks], blocks, deadline_s=10).wait()
+        finally:
+            await sender.close()
+            await receiver.close()
+        return st, importer
+    st, importer = asyncio.run(asyncio.wait_for(main(), 20))
+    assert st.state == TransferState.FAILED
+    assert "receiver failed transfer" in st.error and "SHA-256" in st.error, st.error
+    assert list(importer.blocks) == [0] and not importer.status.ok
+    assert st.num_blocks_sent < 200          # it stopped on the ERROR (~60 here: the socket buffers), not at 400
+
+
 def test_tls_placement_follows_the_datacenters(tmp_path, tiny_model_dir):
     path = tmp_path / "d.toml"
     path.write_text(deployment_toml("pdd", tiny_model_dir))
