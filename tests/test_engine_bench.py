@@ -51,5 +51,14 @@ def test_bench_engine_quick_writes_all_numbers(tiny_model_dir, tmp_path, capsys)
     assert _positive(p["cold"]["median_s"]) and _positive(p["hit"]["median_s"])
     assert math.isclose(p["speedup"], r["prefix_hit_speedup"])
 
+    assert set(r["long_decode"]) == {"pool", "scattered"}
+    for by_batch in r["long_decode"].values():
+        assert set(by_batch) == {str(N) for N in r["settings"]["decode_batches"]}
+        for e in by_batch.values():
+            for path in ("per_seq", "batched"):
+                assert len(e[path]["step"]["samples_s"]) == 2 and _positive(e[path]["step"]["median_s"])
+                assert 0 < e[path]["attention"]["median_s"] < e[path]["step"]["median_s"]
+            assert _positive(e["speedup"]) and _positive(e["cpu_speedup"])
+
     printed = capsys.readouterr().out
-    assert "decode_speedup_b16" in printed and "prefix hit" in printed
+    assert "decode_speedup_b16" in printed and "prefix hit" in printed and "per-seq" in printed

@@ -61,3 +61,50 @@ def test_prefix_reuse_counter_counts_earlier_requests_and_forgets_lru():
     assert c.seen("sys") == 0
     with pytest.raises(ValueError):
         PrefixReuseCounter(capacity=0)
+
+
+def test_filter_class():
+    from pdd.policy import in_filter_class
+
+    long_doc = RequestFacts("r", 20_000, 4, 50_000, 16)
+    assert in_filter_class(long_doc, 0, CFG)
+    assert in_filter_class(long_doc, 10_000, CFG)           # half shared: still fresh
+    assert not in_filter_class(long_doc, 10_016, CFG)       # mostly known to P: a continuation
+    assert not in_filter_class(RequestFacts("r", 20_000, 400, 50_000, 16), 0, CFG)   # ratio 50
+    assert not in_filter_class(long_doc, 0, PolicyConfig(enable_filter=False))
+
+
+def test_share_budget_window_and_convert():
+    from pdd.policy import ShareBudget
+
+    b = ShareBudget(max_share=0.25, window=8)
+    assert b.allows(1, 1)
+    b.note(1, 1)
+    assert not b.allows(1, 1)        # 2 of at least 4
+    for _ in range(3):
+        b.note(0, 1)
+    assert not b.allows(1, 1)        # 2 of 5
+    for _ in range(3):
+        b.note(0, 1)
+    assert b.allows(1, 1)            # 2 of 8
+    b.convert()                      # a counted request became RLD-only
+    assert b.part == 2 and not b.allows(1, 1)
+    for _ in range(8):
+        b.note(0, 1)                 # the window forgets
+    assert b.part == 0 and b.allows(1, 1)
+    assert not ShareBudget(0.0, 4).allows(1, 1) and ShareBudget(0.0, 4).allows(0, 1)
+    with pytest.raises(ValueError):
+        ShareBudget(1.5, 4)
+
+
+def test_share_budget_of_tokens_pads_a_short_history():
+    from pdd.policy import ShareBudget
+
+    b = ShareBudget(max_share=0.1, window=100)
+    assert b.allows(100, 100)        # alone, it counts as 100 of 1,000
+    b.note(100, 100)
+    assert not b.allows(100, 100)    # 200 of 1,000
+    assert b.allows(0, 100)
+    for _ in range(18):
+        b.note(0, 100)
+    assert b.allows(100, 100)        # 200 of 2,000

@@ -120,11 +120,65 @@ def test_abnormal_request_stays_on_relay():
     d = choose_pipeline(req(max_tokens=8), cluster(md_matched=0), CFG)
     assert d.pipeline is Pipeline.RELAY_ONLY and not d.start_wan
     assert d.rld_id == "r0" and d.reason.startswith("abnormal")
+    assert d.filterable and d.relay_only_by_choice
     off = choose_pipeline(req(max_tokens=8), cluster(), PolicyConfig(enable_filter=False))
-    assert off.pipeline is Pipeline.RELAY
-    # A full relay pool does not send it over the WAN: it queues on the least-loaded RLD.
+    assert off.pipeline is Pipeline.RELAY and not off.filterable
+    # A full relay pool is a reason to go direct, never to queue on RLD.
     full = choose_pipeline(req(max_tokens=8), cluster(rlds=("r0", "r1"), rld_running=64), CFG)
-    assert full.pipeline is Pipeline.RELAY_ONLY and full.rld_id in ("r0", "r1") and not full.start_wan
+    assert full.pipeline is Pipeline.DIRECT and full.start_wan and full.reason == "relay pool full"
+
+
+def test_filter_keeps_to_the_abnormal_class():
+    # Same transfer, an answer RLD would also finish first, but the input is
+    # not 100x the output: an ordinary long-context turn is relayed, not filtered.
+    d = choose_pipeline(req(max_tokens=1000), cluster(md_matched=0, wan=LinkEstimate(1e6, 0.05)), CFG)
+    assert d.pipeline is Pipeline.RELAY and not d.filterable
+
+
+def test_a_continuation_is_never_filtered():
+    # P holds 60K of the 64K prompt (a later turn of a conversation) and MD
+    # lacks it: the KV must cross so MD's cache learns what P knows.
+    d = choose_pipeline(req(max_tokens=8), cluster(p_matched=60_000, md_matched=0), CFG)
+    assert d.pipeline is Pipeline.RELAY and d.start_wan and not d.filterable
+    # A fresh document with only a short shared prefix on P is of the class.
+    d2 = choose_pipeline(req(max_tokens=8), cluster(p_matched=4_000, md_matched=0), CFG)
+    assert d2.pipeline is Pipeline.RELAY_ONLY
+
+
+def test_relay_only_budget_bounds_the_filter():
+    from pdd.policy import RelayBudgets, note_decision
+
+    cfg = PolicyConfig(relay_only_max_share=0.1, relay_only_window=50, relay_max_token_share=1.0)
+    budgets = RelayBudgets(cfg)
+    kinds = []
+    for _ in range(40):
+        d = choose_pipeline(req(max_tokens=8), cluster(md_matched=0), cfg, budgets)
+        note_decision(budgets, d, req(max_tokens=8))
+        kinds.append(d.pipeline)
+    # At most one in ten, from the very start (the window counts as >= 10 long).
+    assert kinds.count(Pipeline.RELAY_ONLY) == 4
+    assert kinds[0] is Pipeline.RELAY_ONLY and kinds[1] is Pipeline.RELAY
+    assert all(k in (Pipeline.RELAY_ONLY, Pipeline.RELAY) for k in kinds)
+
+
+def test_cancel_wan_only_within_class_and_budget():
+    from pdd.policy import RelayBudgets, cancel_wan, keep_wan_copy
+
+    rld = inst("r0", Role.RELAY, step=0.05)
+    slow = cluster(md_matched=0, wan=LinkEstimate(1e8, 0.05))    # 3.2 GB -> 32 s
+    spent = RelayBudgets(PolicyConfig(relay_only_max_share=0.0))
+    turn = choose_pipeline(req(max_tokens=200), slow, CFG, spent)
+    assert turn.pipeline is Pipeline.RELAY and turn.filterable
+    # 10 tokens left * 50 ms * 1.25 < 32 s - 1 s: cancel, while the budget has room.
+    assert cancel_wan(turn, None, 1.0, 1.0, 10, rld, CFG)
+    assert not cancel_wan(turn, spent, 1.0, 1.0, 10, rld, CFG)
+    # The copy has nearly landed: keep it.
+    assert not cancel_wan(turn, None, 31.9, 31.9, 10, rld, CFG)
+    # A continuation (not of the class) is never cancelled and keeps its copy
+    # landing when RLD ends first.
+    cont = choose_pipeline(req(max_tokens=200), cluster(p_matched=60_000, wan=LinkEstimate(1e8, 0.05)), CFG)
+    assert not cancel_wan(cont, None, 1.0, 1.0, 10, rld, CFG)
+    assert keep_wan_copy(cont) and not keep_wan_copy(turn)
 
 
 def test_prefill_routing_uses_p_cache():
@@ -155,3 +209,30 @@ def test_plan_warm_counts_every_shared_prefix_and_warms_only_filtered_requests()
     assert plan_warm(filtered, matched, key, counter, 16, CFG) == (512, 2)  # hot: 32 whole blocks
     assert plan_warm(filtered, matched | {"m0": 512}, key, counter, 16, CFG) == (0, 3)  # MD has it
     assert plan_warm(filtered, {"p0": 10}, key, counter, 16, CFG) == (0, 0)  # no whole block shared
+
+
+def test_relay_token_budget_sends_low_hit_requests_direct_past_rlds_share():
+    from pdd.policy import RelayBudgets, note_decision
+
+    cfg = PolicyConfig(relay_max_token_share=0.2, relay_only_window=20)
+    budgets = RelayBudgets(cfg)
+    slow = cluster(md_matched=0, wan=LinkEstimate(1e9, 0.05))        # 3.2 GB -> 3.2 s: 64 eager tokens
+    warm = cluster(md_matched=63_984)
+    seq = []
+    for k in range(30):
+        c = slow if k % 3 == 0 else warm                              # a third low-hit, 1000-token answers
+        d = choose_pipeline(req(), c, cfg, budgets)
+        note_decision(budgets, d, req())
+        seq.append(d)
+    relays = [d for d in seq if d.pipeline is Pipeline.RELAY]
+    assert relays and all(d.rld_tokens == 65 for d in relays)       # ceil(3.25 s / 50 ms)
+    # 10 low-hit requests of 65 eager tokens in 30,000 output tokens is 2%: all relayed.
+    assert len(relays) == 10
+    # Short answers that end on RLD: the first fills a 5% share, the second goes direct.
+    tight_cfg = PolicyConfig(relay_max_token_share=0.05, relay_only_window=40)
+    tight, short = RelayBudgets(tight_cfg), req(max_tokens=64)
+    first = choose_pipeline(short, slow, tight_cfg, tight)
+    note_decision(tight, first, short)
+    second = choose_pipeline(short, slow, tight_cfg, tight)
+    assert first.pipeline is Pipeline.RELAY and first.rld_tokens == 64
+    assert second.pipeline is Pipeline.DIRECT and second.reason.startswith("relay budget")

@@ -4,6 +4,8 @@ import asyncio
 import pytest
 from aiohttp import ClientSession
 
+from pdd.keys import Purpose, derive_key
+from pdd.server.http_auth import sign
 from pdd.wan.cli import add_arguments, parse_listen
 from pdd.wan.control import ControlServer, WanControlClient, parse_settings
 from pdd.wan.relay import WanLink
@@ -24,10 +26,10 @@ def test_control_api_requires_token_and_drives_the_link():
                         async with s.request(method, base + path, headers=headers) as r:
                             assert r.status == 401
                 assert not link.is_cut
-                ok = {"Authorization": f"Bearer {SECRET}"}
-                async with s.post(base + "/set", json={"rate": 1}, headers=ok) as r:
+                body = b'{"rate": 1}'
+                async with s.post(base + "/set", data=body, headers=sign(SECRET.encode(), "POST", "/set", "wan", body)) as r:
                     assert r.status == 400 and "unknown setting" in (await r.json())["error"]
-                async with s.post(base + "/set", data=b"{nope", headers=ok) as r:
+                async with s.post(base + "/set", data=b"{nope", headers=sign(SECRET.encode(), "POST", "/set", "wan", b"{nope")) as r:
                     assert r.status == 400
             client = WanControlClient("127.0.0.1", port, SECRET)
             assert (await client.health()) == {"ok": True}
@@ -80,7 +82,10 @@ def test_pdd_wan_command_starts_serves_and_stops_on_sigterm(tmp_path):
     try:
         ready = json.loads(proc.stdout.readline())
         assert ready["event"] == "ready" and ready["mappings"][0]["listen_port"] > 0
-        client = WanControlClient("127.0.0.1", ready["control_port"], SECRET)
+        # `pdd wan` derives its key from the secret file; the file's content itself is refused
+        with pytest.raises(RuntimeError, match="401"):
+            asyncio.run(WanControlClient("127.0.0.1", ready["control_port"], SECRET).health())
+        client = WanControlClient("127.0.0.1", ready["control_port"], derive_key(SECRET, Purpose.WAN_CONTROL))
         assert asyncio.run(client.health()) == {"ok": True}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0

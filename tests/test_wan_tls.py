@@ -477,10 +477,33 @@ def _mixed_context(rogue_dir: Path, real_dir: Path) -> ssl.SSLContext:
 def internal_match(dep: Deployment, base: str, peer: tls.TlsPeer) -> int:
     async def main():
         async with aiohttp.ClientSession() as session:
-            client = InternalClient(dep.secret, session, tls={base: peer})
+            client = InternalClient(dep.keys.internal_http, session, {base: "md0"}, tls={base: peer})
             try:
                 await client.post(base, "/internal/match", {"prompt_ids": [1, 2, 3]}, timeout_s=10)
                 return 200
             except InternalCallError as e:
                 return int(str(e).split("-> ")[1][:3])
     return asyncio.run(main())
+
+
+def test_bench_artefacts_reach_md_on_its_tls_port(tmp_path, tiny_model_dir):
+    """pdd bench saves every instance's /internal/steps and /metrics: MD's port
+    speaks TLS ([tls] mode "wan"), so the runner goes through Deployment.instance_url."""
+    from pdd.bench import runner
+
+    path = tmp_path / "pdd.toml"
+    path.write_text(deployment_toml("pdd", tiny_model_dir))
+    dep = Deployment.start(path, run_dir=tmp_path / "run", timeout_s=180)
+    try:
+        assert dep.instance_url("md0")[0].startswith("https://")
+        complete(dep, ids(3, 40), 3)
+        out = tmp_path / "out"
+        out.mkdir()
+        runner.save_run_artefacts(dep, runner.ModeSpec("pdd", str(path)), out)
+        steps = [json.loads(ln) for ln in (out / "steps.jsonl").read_text().splitlines()]
+        assert steps and all(s["instance"] in {"p0", "rld0", "md0"} for s in steps)
+        # the metrics come after every instance's steps: all four mean no fetch failed
+        assert sorted(p.stem for p in (out / "metrics").iterdir()) == ["md0", "p0", "rld0", "router"]
+        assert "pdd_kv_free_blocks" in (out / "metrics" / "md0.prom").read_text()
+    finally:
+        dep.stop()

@@ -1,6 +1,8 @@
 """`pdd demo` (what `make demo` runs): a local PDD deployment on the embedded
 SmolLM2, a conversation through the official openai client showing where each
-token came from, then the quick side-by-side benchmark of all four modes."""
+token came from, then a side-by-side benchmark in the WAN-bound regime (a
+shortened `--preset wan-bound`): in-datacenter PD, cross-datacenter PD with a
+decode-side prefix cache, and PDD, with what the numbers mean."""
 
 from __future__ import annotations
 
@@ -77,8 +79,33 @@ def run(args: argparse.Namespace) -> int:
         dep.stop()
     if args.no_bench:
         return 0
-    print("\n== side-by-side benchmark (quick agentic workload, all four modes, one after another)")
+    print("\n== side-by-side benchmark: the WAN-bound regime (a line sized for the KV that misses the "
+          "decode-side cache), 40 agentic requests, three modes one after another")
     from pdd.cli import main as pdd_main
 
-    configs = [x for m in ("colocated", "pd-local", "pd-wan", "pdd") for x in ("-c", str(EXAMPLES / f"{m}.toml"))]
-    return pdd_main(["bench", "--workload", "agentic", "--quick", "--out", args.out] + configs)
+    modes = ("pd-local", "pd-wan-drc", "pdd")
+    configs = [x for m in modes for x in ("-c", str(EXAMPLES / f"{m}.toml"))]
+    rc = pdd_main(["bench", "--preset", "wan-bound", "--num-requests", "40", "--out", args.out] + configs)
+    summary = Path(args.out) / "summary.json"
+    if summary.exists():
+        print("\n" + explain(json.loads(summary.read_text())))
+    return rc
+
+
+def explain(summary: dict) -> str:
+    """Two plain sentences on what the demo's numbers mean."""
+    m = summary["modes"]
+    if any(k not in m or "error" in m[k] for k in ("pd-local", "pd-wan-drc", "pdd")):
+        return "Not every mode finished, so there is no comparison to draw."
+    p90 = {k: m[k]["ttft_s"]["p90"] for k in ("pd-local", "pd-wan-drc", "pdd")}
+    p50 = {k: m[k]["ttft_s"]["p50"] for k in ("pd-local", "pd-wan-drc", "pdd")}
+    gain = 1 - p90["pdd"] / p90["pd-wan-drc"] if p90["pd-wan-drc"] > 0 else 0.0
+    verb = f"{gain:.0%} lower than" if gain > 0.02 else ("about the same as" if gain > -0.02 else
+                                                         f"{-gain:.0%} higher than")
+    return (f"Across datacenters, PDD's slow tail of first tokens (p90 {p90['pdd']:.1f} s) was {verb} plain "
+            f"cross-datacenter PD with a decode-side cache ({p90['pd-wan-drc']:.1f} s), against "
+            f"{p90['pd-local']:.1f} s with everything in one datacenter; the median request "
+            f"({p50['pdd']:.2f} s vs {p50['pd-wan-drc']:.2f} s and {p50['pd-local']:.2f} s) hits its prefix cache "
+            f"and crosses the WAN in a fraction of a second in every mode. RelayDecode emitted "
+            f"{m['pdd']['rld_token_share']:.1%} of the tokens, hiding the low-hit turns' transfers; one short "
+            f"run on a shared machine, so differences of a few percent are noise.")

@@ -67,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ablation", action="append", default=[], metavar="[BASE:]NAME",
                         help="no-drc | one-shot | catch-up | no-filter, on the pdd config")
     parser.add_argument("--baseline", default=None, help="mode to compare the others with")
+    parser.add_argument("--wan-mbps", type=float, default=None, metavar="MBPS",
+                        help="override every deployment's WAN line rate (sweeps)")
     g = parser.add_argument_group("workload shape")
     g.add_argument("--vocab-size", type=int, default=49152, help="token ids stay below this")
     g.add_argument("--block-size", type=int, default=16, help="for the theoretical hit rates")
@@ -102,7 +104,7 @@ def build_workload(args: argparse.Namespace):
         preset = getattr(args, "preset", None) or ("quick" if args.quick else "full")
         cfg = agentic.PRESETS[preset]
         cfg = replace(cfg, seed=args.seed, vocab_size=args.vocab_size,
-                      closed_loop=not args.open_loop)
+                      closed_loop=cfg.closed_loop and not args.open_loop)
         if args.num_requests is not None:
             cfg = replace(cfg, num_requests=args.num_requests)
         if args.arrival_rate is not None:
@@ -145,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.config:
         print("pdd bench: give at least one deployment file (-c)", file=sys.stderr)
         return 2
-    modes = runner.plan_modes(args.config, args.ablation)
+    modes = runner.plan_modes(args.config, args.ablation, args.wan_mbps)
     factory = None
     if args.fake:
         from pdd.bench.fake_server import FakeBehaviour, FakeDeployment

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import ssl
 import sys
 import time
 import traceback
@@ -32,6 +33,7 @@ from pdd.bench.client import ClientConfig, run_workload_sync
 from pdd.bench.metrics import Sla, summarize_mode
 from pdd.bench.records import RequestRecord
 from pdd.bench.workload import Workload, WorkloadRequest, hit_rate_histogram
+from pdd.deploy.spec import link_overrides
 
 ABLATIONS: dict[str, dict] = {
     "no-drc": {"policy": {"enable_drc": False}},
@@ -48,13 +50,16 @@ class ModeSpec:
     overrides: dict | None = None
 
 
-def plan_modes(configs: list[str], ablations: list[str] | None = None) -> list[ModeSpec]:
+def plan_modes(configs: list[str], ablations: list[str] | None = None,
+               wan_mbps: float | None = None) -> list[ModeSpec]:
     """One mode per config file, then one per ablation.
 
     An ablation is `NAME` (applied to the config whose stem starts with "pdd",
     else the last one) or `BASE:NAME` (applied to the config with stem BASE).
+    `wan_mbps` overrides every mode's line rate.
     """
-    modes = [ModeSpec(Path(c).stem, str(c)) for c in configs]
+    links = link_overrides(wan_mbps)
+    modes = [ModeSpec(Path(c).stem, str(c), links) for c in configs]
     names = [m.name for m in modes]
     if len(set(names)) != len(names):
         raise ValueError(f"two configs share a file stem: {names}")
@@ -70,7 +75,7 @@ def plan_modes(configs: list[str], ablations: list[str] | None = None) -> list[M
             if not modes:
                 raise ValueError("an ablation needs a base config (-c)")
             base = next((m for m in modes if m.name.startswith("pdd")), modes[-1])
-        modes.append(ModeSpec(f"{base.name}+{abl}", base.config_path, ABLATIONS[abl]))
+        modes.append(ModeSpec(f"{base.name}+{abl}", base.config_path, {**ABLATIONS[abl], **(links or {})}))
     return modes
 
 
@@ -271,17 +276,21 @@ def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
         secret = getattr(dep, "secret", None) if dspec is not None else None
         if dspec is None or not isinstance(secret, bytes):
             return
+        # An instance's port may speak TLS (MD under [tls] mode "wan"): the
+        # deployment says how to reach it (base URL, SSL context or None).
+        bases = {i.name: dep.instance_url(i.name) for i in dspec.instances}
         with open(mode_dir / "steps.jsonl", "w") as f:
             for inst in dspec.instances:
-                for rec in fetch_steps(f"http://{inst.host}:{inst.port}", secret):
+                url, ctx = bases[inst.name]
+                for rec in fetch_steps(url, secret, inst.name, context=ctx):
                     f.write(json.dumps(rec) + "\n")
         # Prometheus counters (KV bytes and transfer seconds per link, ...), for diagnosis.
         (mode_dir / "metrics").mkdir(exist_ok=True)
-        urls = {i.name: f"http://{i.host}:{i.port}/metrics" for i in dspec.instances}
-        urls["router"] = f"http://{dspec.router_host}:{dspec.router_port}/metrics"
-        for name, url in urls.items():
+        urls = {name: (url + "/metrics", ctx) for name, (url, ctx) in bases.items()}
+        urls["router"] = (f"http://{dspec.router_host}:{dspec.router_port}/metrics", None)
+        for name, (url, ctx) in urls.items():
             try:
-                with urllib.request.urlopen(url, timeout=10.0) as r:
+                with urllib.request.urlopen(url, timeout=10.0, context=ctx) as r:
                     (mode_dir / "metrics" / f"{name}.prom").write_bytes(r.read())
             except OSError:
                 pass
@@ -289,14 +298,19 @@ def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
         traceback.print_exc()
 
 
-def fetch_steps(base_url: str, secret: bytes, timeout_s: float = 30.0) -> list[dict]:
-    """GET /internal/steps (signed): one dict per engine step, tagged with instance and role."""
+def fetch_steps(base_url: str, secret: bytes, target: str, timeout_s: float = 30.0,
+                context: ssl.SSLContext | None = None) -> list[dict]:
+    """GET /internal/steps, signed for instance `target` with the key derived
+    from the deployment `secret`: one dict per engine step, tagged with instance and role.
+    context: for an https base URL (Deployment.instance_url), else None."""
     import urllib.request
 
+    from pdd.keys import DeploymentKeys
     from pdd.server.http_auth import sign
 
     path = "/internal/steps"
-    req = urllib.request.Request(base_url + path, headers=sign(secret, "GET", path))
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+    headers = sign(DeploymentKeys.derive(secret).internal_http, "GET", path, target)
+    req = urllib.request.Request(base_url + path, headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout_s, context=context) as r:
         doc = json.loads(r.read())
     return [{"instance": doc.get("instance"), "role": doc.get("role"), **s} for s in doc.get("steps", [])]

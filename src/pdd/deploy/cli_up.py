@@ -18,7 +18,10 @@ def run(args: argparse.Namespace) -> int:
     from pdd.deploy.spec import SpecError
 
     try:
-        dep = Deployment.start(args.config, timeout_s=args.timeout)
+        from pdd.deploy.supervisor import RestartPolicy
+
+        # In the foreground `pdd up` also restarts dead processes; --detach returns, so nothing supervises.
+        dep = Deployment.start(args.config, timeout_s=args.timeout, supervise=None if args.detach else RestartPolicy())
     except (SpecError, DeploymentError) as e:
         print(f"pdd up: {e}")
         return 1

@@ -1,11 +1,13 @@
 """Start and stop a whole deployment on this machine.
 
 `Deployment.start(path)` prepares the model once, writes a fresh shared
-secret and (TLS on) a fresh deployment CA with a certificate per instance and
-the router (pdd.transport.tls), starts the WAN relays, every instance and the
-router (each its own process group, logs under the run directory), waits
-until all answer /health, and records their pids. `stop()` (and `pdd down`) ends exactly
-those process groups: SIGTERM, then SIGKILL after a grace period.
+secret (mode 0600; every process derives its per-purpose keys from it,
+`pdd.keys`, and none sends it anywhere) and (TLS on) a fresh deployment CA
+with a certificate per instance and the router (pdd.transport.tls), starts
+the WAN relays, every instance and the router (each its own process group,
+logs under the run directory), waits until all answer /health, and records
+their pids. `stop()` (and `pdd down`) ends exactly those process groups:
+SIGTERM, then SIGKILL after a grace period.
 """
 
 from __future__ import annotations
@@ -20,12 +22,18 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdd.deploy.spec import DeploymentSpec, load_spec
 from pdd.deploy.topology import relay_mappings
+from pdd.keys import DeploymentKeys
+
+if TYPE_CHECKING:
+    from pdd.deploy.supervisor import RestartPolicy, Supervisor
 
 
 class DeploymentError(RuntimeError):
@@ -43,7 +51,7 @@ class Proc:
     pid: int
     url: str                 # health URL
     log: Path
-    bearer: str | None = None   # the WAN relay's control API wants the secret
+    signer: tuple[bytes, str] | None = None   # (key, name): the relay's /health must be signed
     ca: Path | None = None      # an https health URL: verify the server against this CA
 
 
@@ -53,6 +61,9 @@ class Deployment:
     run_dir: Path
     procs: list[Proc] = field(default_factory=list)
     tls_dir: Path | None = None     # certificates (None: TLS off)
+    # name -> (command, environment): how to start a process again (supervisor.py)
+    recipes: dict[str, tuple[list[str], dict]] = field(default_factory=dict)
+    supervisor: "Supervisor | None" = None
 
     @property
     def name(self) -> str:
@@ -71,7 +82,7 @@ class Deployment:
         from pdd.wan.control import WanControlClient
 
         link = self.spec.links[k]
-        return WanControlClient(link.relay_host, link.control_port, self.secret.decode())
+        return WanControlClient(link.relay_host, link.control_port, self.keys.wan_control, name=f"wan{k}")
 
     def instance_url(self, name: str) -> tuple[str, ssl.SSLContext | None]:
         """Base URL of an instance's HTTP API from this host, and the SSL context
@@ -91,10 +102,16 @@ class Deployment:
     def secret(self) -> bytes:
         return (self.run_dir / "secret").read_bytes().strip()
 
+    @property
+    def keys(self) -> DeploymentKeys:
+        return DeploymentKeys.derive(self.secret)
+
     # -- start ----------------------------------------------------------------
     @classmethod
     def start(cls, config_path: str | Path, overrides: dict | None = None, run_dir: Path | None = None,
-              cache_dir: Path | None = None, timeout_s: float = 300.0) -> "Deployment":
+              cache_dir: Path | None = None, timeout_s: float = 300.0,
+              supervise: "RestartPolicy | None" = None) -> "Deployment":
+        """supervise: restart any process that dies, with this backoff (`pdd up` does)."""
         from pdd.model.loader import default_cache_dir, resolve_model_path
 
         config_path = Path(config_path)
@@ -123,11 +140,12 @@ class Deployment:
             for k, link in enumerate(spec.links):
                 cmd = base + ["wan", "--host", link.relay_host, "--rate-mbps", str(link.bandwidth_mbps),
                               "--latency-ms", str(link.latency_ms), "--jitter-ms", str(link.jitter_ms),
-                              "--control-port", str(link.control_port), "--secret-file", str(secret_file)]
+                              "--control-port", str(link.control_port), "--secret-file", str(secret_file),
+                              "--name", f"wan{k}"]
                 for lp, host, tp in relay_mappings(spec, link):
                     cmd += ["--listen", f"{lp}:{host}:{tp}"]
                 dep._spawn(f"wan{k}", cmd, f"http://{link.relay_host}:{link.control_port}/health", env,
-                           bearer=secret_file.read_text().strip())
+                           signer=(dep.keys.wan_control, f"wan{k}"))
             extra = ["--override", json.dumps(overrides)] if overrides else []
             for inst in spec.instances:
                 cmd = base + ["serve", "-c", str(config_path), "--name", inst.name,
@@ -144,15 +162,20 @@ class Deployment:
         except BaseException:
             dep.stop()
             raise
+        if supervise is not None:
+            from pdd.deploy.supervisor import Supervisor
+
+            dep.supervisor = Supervisor(dep, supervise).start()
         return dep
 
-    def _spawn(self, name: str, cmd: list[str], url: str, env: dict, bearer: str | None = None,
+    def _spawn(self, name: str, cmd: list[str], url: str, env: dict, signer: tuple[bytes, str] | None = None,
                ca: Path | None = None) -> None:
         log = self.run_dir / "logs" / f"{name}.log"
         with open(log, "wb") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, env=env)
-        self.procs.append(Proc(name, p.pid, url, log, bearer, ca))
+        self.procs.append(Proc(name, p.pid, url, log, signer, ca))
+        self.recipes[name] = (cmd, env)
         self._record()
 
     def _record(self) -> None:
@@ -166,13 +189,15 @@ class Deployment:
             for p in list(pending):
                 if not _alive(p.pid):
                     raise DeploymentError(f"{p.name} exited during start-up; log {p.log}:\n{_tail(p.log)}")
-                if _healthy(p.url, p.bearer, p.ca):
+                if _healthy(p.url, p.signer, p.ca):
                     pending.remove(p)
             if time.monotonic() > deadline:
                 raise DeploymentError(f"not healthy within {timeout_s:.0f} s: {[p.name for p in pending]}")
             time.sleep(0.2)
 
     def stop(self) -> None:
+        if self.supervisor is not None:     # first, or it would restart what we stop
+            self.supervisor.stop()
         stop_recorded(self.run_dir)
         self.procs.clear()
 
@@ -191,8 +216,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _healthy(url: str, bearer: str | None = None, ca: Path | None = None) -> bool:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {bearer}"} if bearer else {})
+def _healthy(url: str, signer: tuple[bytes, str] | None = None, ca: Path | None = None) -> bool:
+    headers = {}
+    if signer is not None:
+        from pdd.server.http_auth import sign
+
+        headers = sign(signer[0], "GET", urllib.parse.urlsplit(url).path, signer[1])
+    req = urllib.request.Request(url, headers=headers)
     context = None
     if ca is not None:
         # A liveness probe: the CA must vouch for the server, but it is reached by

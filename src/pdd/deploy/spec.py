@@ -81,6 +81,12 @@ class DeploymentSpec:
     router_host: str = "127.0.0.1"
     router_port: int = 8100
     router_datacenter: str = "A"
+    # Client API keys of the router. The file (one key a line, # comments)
+    # and the variable are only named here; `pdd serve --router` reads them
+    # at start-up, so a key never sits in the deployment file itself.
+    router_api_keys_file: Path | None = None
+    router_api_key_env: str | None = None
+    router_max_traces: int = 10_000
     instances: tuple[InstanceSpec, ...] = ()
     links: tuple[LinkSpec, ...] = ()
     policy: dict = field(default_factory=dict)
@@ -163,7 +169,15 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
     _unknown(model, {"path"}, "model")
     base_engine = _engine(doc.get("engine", {}), EngineConfig(), "engine")
     router = doc.get("router", {})
-    _unknown(router, {"host", "port", "datacenter"}, "router")
+    _unknown(router, {"host", "port", "datacenter", "api_keys_file", "api_key_env", "max_traces"}, "router")
+    keys_file = _take(router, "api_keys_file", str, "router", None)
+    if keys_file is not None:
+        keys_file = Path(keys_file).expanduser()
+        if not keys_file.is_absolute() and source is not None:
+            keys_file = source.parent / keys_file     # relative to the deployment file
+    max_traces = _take(router, "max_traces", int, "router", 10_000)
+    if max_traces < 1:
+        raise SpecError(f"router.max_traces must be >= 1, got {max_traces}")
     instances = []
     raw = doc.get("instances")
     if not isinstance(raw, list) or not raw:
@@ -210,6 +224,8 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
         router_host=_take(router, "host", str, "router", "127.0.0.1"),
         router_port=_port(router, "port", "router", 8100),
         router_datacenter=_take(router, "datacenter", str, "router", "A"),
+        router_api_keys_file=keys_file, router_api_key_env=_take(router, "api_key_env", str, "router", None),
+        router_max_traces=max_traces,
         instances=tuple(instances), links=tuple(links), policy=dict(doc.get("policy", {})),
         request_timeout_s=_take(timeouts, "request_s", float, "timeouts", 300.0),
         kv_deadline_s=_take(timeouts, "kv_deadline_s", float, "timeouts", 60.0),
@@ -281,6 +297,15 @@ def _check_topology(spec: DeploymentSpec) -> None:
             raise SpecError(f"links[{k}] joins unknown datacenters {l.a!r}-{l.b!r}")
 
 
+def link_overrides(wan_mbps: float | None) -> dict | None:
+    """`--wan-mbps`: every line of a deployment at this rate (None: as in its file)."""
+    if wan_mbps is None:
+        return None
+    if wan_mbps <= 0:
+        raise SpecError("--wan-mbps must be > 0")
+    return {"links": {"bandwidth_mbps": float(wan_mbps)}}
+
+
 def load_spec(path: str | Path, overrides: dict | None = None) -> DeploymentSpec:
     path = Path(path)
     try:
@@ -290,7 +315,10 @@ def load_spec(path: str | Path, overrides: dict | None = None) -> DeploymentSpec
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{path}: invalid TOML: {e}") from None
     for key, val in (overrides or {}).items():
-        if isinstance(val, dict):
+        if key == "links" and isinstance(val, dict):
+            # One table for every line (`pdd bench --wan-mbps`, sweeps).
+            doc["links"] = [{**link, **val} for link in doc.get("links", [])]
+        elif isinstance(val, dict):
             doc[key] = {**doc.get(key, {}), **val}
         else:
             doc[key] = val

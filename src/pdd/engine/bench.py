@@ -22,6 +22,16 @@ so that a noisy neighbour on a shared machine hurts both sides alike.
 * prefix hit: a prompt whose first ~90% (whole blocks) is already in our
   prefix cache (a request with just that prefix ran first) vs the same prompt
   on a fresh engine.
+* long-context decode (`--long-ctx`, default 2048 tokens, at the decode
+  batches): one decode step's forward (30 layers, cache writes, attention;
+  no sampling) over a KV cache filled with random values, every sequence's
+  blocks scattered at random over the cache as in a long-running pool. The
+  two attention paths are timed alternately in one process: per sequence
+  (what the engine picks at these sizes) and the batched padded SDPA (the
+  path used for short contexts, and before for every decode); attention's
+  share of the step is timed around the per-layer callback. Two block
+  layouts: "pool" (as a fresh engine's pool lays out prompts that then
+  decoded 64 tokens) and "scattered" (a random permutation: the worst case).
 * every number is wall-clock (the headline); process CPU time is recorded
   beside it (cpu_*) as a cross-check on a shared machine: with one thread it
   leaves out the time the process waited for a core.
@@ -48,9 +58,9 @@ TARGET_DECODE_SPEEDUP_B16 = 3.0
 TARGET_PREFIX_HIT_SPEEDUP = 5.0
 
 FULL = {"prefill_lens": [512, 2048], "decode_batches": [1, 8, 16], "decode_prompt": 128,
-        "decode_tokens": 64, "prefix_prompt": 2048, "prefix_frac": 0.9}
+        "decode_tokens": 64, "prefix_prompt": 2048, "prefix_frac": 0.9, "long_ctx": 2048}
 QUICK = {"prefill_lens": [64, 256], "decode_batches": [1, 16], "decode_prompt": 16,
-         "decode_tokens": 8, "prefix_prompt": 256, "prefix_frac": 0.9}
+         "decode_tokens": 8, "prefix_prompt": 256, "prefix_frac": 0.9, "long_ctx": 300}
 
 METHOD = __doc__.split("\n\n", 2)[2].rsplit("\n\nWrites", 1)[0].strip()
 
@@ -70,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=None, metavar="TOKENS",
                         help="timed decode steps per request (one more token comes from prefill)")
     parser.add_argument("--prefix-prompt", type=int, default=None, metavar="TOKENS")
+    parser.add_argument("--long-ctx", type=int, default=None, metavar="TOKENS",
+                        help="context per sequence of the long-context decode steps (0: skip)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -165,6 +177,79 @@ class Ours:
         return dt, cpu, made, sum(s.batch_size for s in steps) / max(1, len(steps))
 
 
+# ---------------------------------------------------------------------- long-context decode
+class _TimedAttention:
+    """Wraps a PagedAttention and adds up the wall time spent in it (all layers)."""
+
+    def __init__(self, inner):
+        self.inner, self.s = inner, 0.0
+
+    def __call__(self, layer, q, k, v):
+        t0 = time.perf_counter()
+        out = self.inner(layer, q, k, v)
+        self.s += time.perf_counter() - t0
+        return out
+
+
+LONG_DECODE_GROWN = 64   # tokens each sequence decoded before the timed step ("pool" layout)
+
+
+def _block_tables(layout: str, batch: int, nblk: int, bs: int, g) -> list[list[int]]:
+    """Each sequence's block ids. "scattered": a random permutation of the cache, no
+    two neighbours adjacent by design (the worst case: everything is gathered).
+    "pool": what our BlockPool hands out on a fresh engine: every prompt's blocks in
+    one allocate() call, then the blocks of the last LONG_DECODE_GROWN decoded
+    tokens one at a time, round robin over the batch as decode steps grow them."""
+    import torch
+
+    from pdd.engine.block_pool import BlockPool
+
+    if layout == "scattered":
+        perm = torch.randperm(batch * nblk, generator=g).tolist()
+        return [perm[i * nblk:(i + 1) * nblk] for i in range(batch)]
+    pool = BlockPool(batch * nblk, bs)
+    grown = min(nblk - 1, LONG_DECODE_GROWN // bs)
+    tables = [pool.allocate(nblk - grown) for _ in range(batch)]
+    for _ in range(grown):
+        for t in tables:
+            t.extend(pool.allocate(1))
+    return tables
+
+
+def long_decode(model, mcfg, batch: int, ctx: int, block_size: int, repeats: int, seed: int,
+                layout: str = "scattered") -> dict:
+    """Times one decode step (the forward of `batch` tokens at `ctx` context each) on both
+    attention paths, alternated; {path: {"step": _summ, "attention": _summ}}."""
+    import torch
+
+    from pdd.engine.paged_attention import PagedAttention, build_metadata
+
+    bs = block_size
+    nblk = -(-(ctx + 1) // bs)
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(mcfg.num_layers, 2, batch * nblk * bs, mcfg.num_kv_heads, mcfg.head_dim,
+                     generator=g)   # [L, 2, S, KVH, D]
+    seqs = [(ctx, 1, t) for t in _block_tables(layout, batch, nblk, bs, g)]
+    ids = torch.randint(100, mcfg.vocab_size, (batch,), generator=g)
+    pos = torch.full((batch,), ctx, dtype=torch.long)
+    paths = {"per_seq": 0, "batched": 1 << 62}   # decode_each_min_tokens for each path
+    samples = {p: ([], [], []) for p in paths}     # step wall s, step CPU s, attention wall s
+    with torch.inference_mode():
+        for r in range(repeats + 1):                 # the first round warms up
+            for p, min_tokens in paths.items():
+                att = _TimedAttention(PagedAttention(kv, build_metadata(seqs, bs, min_tokens)))
+                c0, t0 = time.process_time(), time.perf_counter()
+                model.forward(ids, pos, att)
+                if r:
+                    samples[p][0].append(time.perf_counter() - t0)
+                    samples[p][1].append(time.process_time() - c0)
+                    samples[p][2].append(att.s)
+    out = {p: {"step": _summ(st, batch, cpu), "attention": _summ(at)} for p, (st, cpu, at) in samples.items()}
+    out["speedup"] = out["batched"]["step"]["median_s"] / out["per_seq"]["step"]["median_s"]
+    out["cpu_speedup"] = out["batched"]["step"]["cpu_median_s"] / out["per_seq"]["step"]["cpu_median_s"]
+    return out
+
+
 # ---------------------------------------------------------------------- HF
 class HF:
     def __init__(self, folder: Path):
@@ -238,7 +323,7 @@ def run(args) -> int:
     from pdd.model.loader import default_cache_dir, load_model, resolve_model_path
 
     sizes = dict(QUICK if args.quick else FULL)
-    for k in ("prefill_lens", "decode_batches", "decode_prompt", "decode_tokens", "prefix_prompt"):
+    for k in ("prefill_lens", "decode_batches", "decode_prompt", "decode_tokens", "prefix_prompt", "long_ctx"):
         v = getattr(args, k, None)
         if v is not None:
             sizes[k] = v
@@ -368,6 +453,15 @@ def run(args) -> int:
         "cpu_speedup": _median(cold_cpu) / _median(hot_cpu),
     }
 
+    # ---- long-context decode steps, both attention paths
+    if sizes["long_ctx"]:
+        long: dict = {"pool": {}, "scattered": {}}
+        for layout, by_batch in long.items():
+            for N in batches:
+                _log(f"long-context decode step, batch {N} x {sizes['long_ctx']} tokens, {layout} blocks ...")
+                by_batch[str(N)] = long_decode(model, mcfg, N, sizes["long_ctx"], bs, R, args.seed, layout)
+        result["long_decode"] = long
+
     # ---- headline
     b16 = decode.get("16", {})
     result["decode_speedup_b16"] = b16.get("speedup")
@@ -422,6 +516,16 @@ def format_table(r: dict) -> str:
                  f"({100 * p['hit_fraction']:.0f}%): cold {p['cold']['median_s'] * 1e3:.1f} ms, "
                  f"hit {p['hit']['median_s'] * 1e3:.1f} ms -> {p['speedup']:.2f}x "
                  f"(CPU time {p['cpu_speedup']:.2f}x)")
+    for layout, by_batch in (r.get("long_decode") or {}).items():
+        lines.append("")
+        lines.append(f"{'step, ' + str(s['long_ctx']) + ' ctx, ' + layout:<26}{'per-seq s':>10}{'batched s':>10}"
+                     f"{'speedup':>9}{'(CPU time)':>12}{'attn share':>12}")
+        for N, e in by_batch.items():
+            ps = e["per_seq"]
+            share = ps["attention"]["median_s"] / ps["step"]["median_s"]
+            lines.append(f"{'batch ' + N:<26}{ps['step']['median_s']:>10.3f}"
+                         f"{e['batched']['step']['median_s']:>10.3f}{e['speedup']:>8.2f}x"
+                         f"{e['cpu_speedup']:>11.2f}x{share:>11.0%}")
     d = r["decode_speedup_b16"]
     lines.append(f"decode_speedup_b16 = {'n/a' if d is None else f'{d:.2f}x'} (target >= "
                  f"{TARGET_DECODE_SPEEDUP_B16:g}x); prefix_hit_speedup = {r['prefix_hit_speedup']:.2f}x "

@@ -6,11 +6,16 @@
     export_kv / import_kv          KV blocks as checked bytes, to resume elsewhere
     abort(id), stats(), step_log
 
-Not thread-safe: one thread drives it (see server/engine_loop.py).
+One thread drives it (see server/engine_loop.py). The one exception is the
+block pool: `pool_lock` guards every change to it and to the KV tensor's
+free blocks, and `step()` lets go of it while the model runs, so a KV
+receiver can take blocks and write arriving KV into them during a forward
+pass (`KVImport`, `held_block_indices`) instead of waiting for the step to end.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,7 +25,7 @@ from pdd.engine.config import EngineConfig
 from pdd.engine.kv_codec import KVImportError, KVLayout, KVManifest, decode_blob, encode_blob
 from pdd.engine.request import EngineRequest, RequestStatus
 from pdd.engine.runner import ModelRunner
-from pdd.engine.scheduler import Scheduler
+from pdd.engine.scheduler import Scheduler, StepPlan
 
 
 class InvalidRequestError(ValueError):
@@ -69,6 +74,8 @@ class Engine:
         self._pins: dict[str, list[int]] = {}   # imported blocks held until their request runs
         self._eos = set(model_cfg.eos_token_ids)
         self.num_steps = 0
+        # Held by whoever changes the pool; not while the model runs (see step).
+        self.pool_lock = threading.RLock()
 
     # -- requests -------------------------------------------------------------
     def submit(self, req: EngineRequest) -> None:
@@ -98,7 +105,14 @@ class Engine:
         req = self._get(request_id)
         if req.status.finished:
             raise InvalidRequestError(f"request {request_id!r} has finished")
-        req.token_ids.extend(int(t) for t in token_ids)
+        bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool)
+                                            and 0 <= t < self.model_cfg.vocab_size)]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model_cfg.vocab_size})")
+        if req.num_tokens + len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(f"extending to {req.num_tokens + len(token_ids)} tokens passes this model's "
+                                      f"context limit of {self.max_model_len}")
+        req.token_ids.extend(token_ids)
         req.hold = not final
         if final and not token_ids and req.num_uncomputed == 0 and req.num_computed_tokens > 0:
             # resuming a paused request: recompute its last token to get logits again
@@ -146,21 +160,31 @@ class Engine:
 
     # -- stepping ---------------------------------------------------------------
     def step(self) -> list[StepEvent]:
-        plan = self.scheduler.schedule()
-        events = []
-        for req in plan.failed:
-            self._finish(req, RequestStatus.FINISHED_ERROR)
-            events.append(StepEvent(req.request_id, finished=True, finish_reason="error", error=req.error))
-        if plan.empty:
-            return events
-        for s in plan.seqs:
-            if s.request.request_id in self._pins:
-                self._release_pins(s.request.request_id)
+        with self.pool_lock:
+            plan = self.scheduler.schedule()
+            events = []
+            for req in plan.failed:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                events.append(StepEvent(req.request_id, finished=True, finish_reason="error", error=req.error))
+            if plan.empty:
+                return events
+            for s in plan.seqs:
+                if s.request.request_id in self._pins:
+                    self._release_pins(s.request.request_id)
+        # The model reads and writes only the blocks of the plan's sequences,
+        # all allocated above: the pool may change meanwhile (KV imports).
         start = time.time()
         t0 = time.perf_counter()
-        sampled = self.runner.execute(plan)
+        plan, sampled, failed = self._execute_isolated(plan)
         wall = time.perf_counter() - t0
-        self.scheduler.postprocess(plan)
+        with self.pool_lock:
+            for req, err in failed:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                req.error = err
+                events.append(StepEvent(req.request_id, finished=True, finish_reason="error", error=err))
+            if plan.empty:
+                return events
+            self.scheduler.postprocess(plan)
         self.num_steps += 1
         self.step_log.append(StepRecord(
             num_prefill_tokens=sum(s.num_tokens for s in plan.seqs if s.num_tokens > 1),
@@ -177,6 +201,29 @@ class Engine:
             elif s.sample:
                 events.extend(self._on_sample(req, tok))
         return events
+
+    def _execute_isolated(self, plan: StepPlan) -> tuple[StepPlan, list[int | None], list[tuple[EngineRequest, str]]]:
+        """Run the batch; if it raises, run each of its seqs alone so that only
+        the request(s) that fail on their own are failed.
+
+        Re-running a seq is safe: it writes the same KV slots with the same
+        values, and nothing (block hashes, computed counts) moved because
+        postprocess runs only for the seqs that succeeded."""
+        try:
+            return plan, self.runner.execute(plan), []
+        except Exception as e:
+            if len(plan.seqs) == 1:
+                return StepPlan(), [], [(plan.seqs[0].request, f"engine step failed: {e!r}")]
+        good, sampled, failed = StepPlan(preempted=plan.preempted), [], []
+        for s in plan.seqs:
+            try:
+                (tok,) = self.runner.execute(StepPlan(seqs=[s]))
+            except Exception as e:
+                failed.append((s.request, f"engine step failed: {e!r}"))
+                continue
+            good.seqs.append(s)
+            sampled.append(tok)
+        return good, sampled, failed
 
     def _on_sample(self, req: EngineRequest, tok: int) -> list[StepEvent]:
         if req.num_output_tokens >= req.sampling.max_tokens:   # given tokens already reach the limit

@@ -3,13 +3,34 @@
 The model hands over post-RoPE q/k/v for a flat list of T tokens; this module
 knows which tokens belong to which sequence, writes their K/V into the cache
 slots the scheduler assigned, and attends over each sequence's whole context.
-Single-token sequences (decodes) are attended in one padded, masked SDPA
-call; multi-token chunks (prefill, extend) one SDPA call each.
+Single-token sequences (decodes) with short contexts are attended in one
+padded, masked SDPA call; with long contexts one sequence at a time (see
+`_decode_each`); multi-token chunks (prefill, extend) one SDPA call each.
 
 Context K/V are gathered a whole block at a time (index_select over the cache
 viewed as [2, num_blocks, block_size, KVH, D]: one memcpy per block, K and V
 in one call) rather than slot by slot; a chunk that starts at position 0 needs
 no gather at all (its context is exactly the k/v just computed).
+
+Why long decodes go one sequence at a time: a decode step is memory-bound on
+the gather (one core copies ~5 GB/s here). One padded gather for the whole
+batch lands in a buffer far larger than L2 (25 MB at batch 8 x 2K tokens),
+so every byte is written to memory and read back, padding up to the longest
+context is gathered and masked too, and SDPA works on transposed views with
+GQA (9 query heads over 3 KV heads) left to its CPU fallback.
+Per sequence, the gathered K/V (~1.5 MB each at 2K tokens) stays in L2 for
+the two matmuls right after, there is no padding to gather or mask, and GQA
+is a view (q as [KVH, G, D] against K as [KVH, L, D]) instead of a copy.
+Short contexts keep the batched call: there the ~6 small ops per sequence
+per layer would cost more than the copies they save.
+
+A decode's query attends to its whole context, so the order of the context
+tokens does not matter (softmax and the weighted sum are over a set). Runs of
+consecutive block ids (a prompt's blocks come out of the pool as one run,
+ascending or, after tail-first release, descending) are therefore read in
+place, as views of the cache, and only the rest (blocks added one at a time
+during decode, the partial last block) is gathered: the copy, not the
+arithmetic, is what a long decode step spends its time on.
 """
 
 from __future__ import annotations
@@ -30,20 +51,66 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeSeq:
+    """One decode's context split into runs read in place and blocks to gather."""
+    ctx: int                           # context length (tokens attended)
+    runs: list[tuple[int, int]]        # (first block id, num blocks), full blocks only
+    gather: torch.Tensor | None        # [m] the other block ids, the partial last block last
+    gather_tokens: int                 # valid tokens in the gathered blocks
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                # [T] where each new token's K/V goes
     decode_tok: torch.Tensor | None = None    # [B] flat indices of single-token seqs
     decode_blocks: torch.Tensor | None = None  # [B * nblk] block table, row-major, padded with 0
     decode_mask: torch.Tensor | None = None   # [B, 1, 1, nblk * block_size] bool
+    # per decode seq, set instead of the padded table/mask when the contexts
+    # are long enough to attend one by one
+    decode_each: list[DecodeSeq] | None = None
     all_decode: bool = False                  # every token is a decode, in order (decode_tok = arange)
     prefills: list[PrefillChunk] | None = None
     block_size: int = 16
 
 
+# Padded decode tokens (batch x longest context) from which decodes are
+# attended one sequence at a time. Measured on SmolLM2-135M, one thread: up
+# to ~4K padded tokens (batch 16 x 128 ... batch 2 x 2K) both paths are within
+# 5%; beyond, the per-sequence path wins more the longer and the more uneven
+# the contexts (1.5-3x per step at 2.5K tokens, docs/DESIGN.md).
+DECODE_EACH_MIN_TOKENS = 4096
+# Shortest run of consecutive blocks read in place rather than gathered:
+# below it the extra matmul calls cost more than the copy they save.
+DECODE_RUN_MIN_BLOCKS = 4
+
+
+def split_runs(blocks: list[int], ctx: int, bs: int, min_run: int = DECODE_RUN_MIN_BLOCKS) -> DecodeSeq:
+    """A decode's blocks -> runs of >= min_run consecutive full blocks + the rest to gather."""
+    full = ctx // bs
+    ids = sorted(blocks[:full])
+    runs: list[tuple[int, int]] = []
+    rest: list[int] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        if j - i + 1 >= min_run:
+            runs.append((ids[i], j - i + 1))
+        else:
+            rest.extend(ids[i : j + 1])
+        i = j + 1
+    tokens = len(rest) * bs + ctx % bs
+    rest.extend(blocks[full : -(-ctx // bs)])          # the partial last block, if any
+    return DecodeSeq(ctx, runs, torch.tensor(rest, dtype=torch.long) if rest else None, tokens)
+
+
 def build_metadata(
-    seqs: list[tuple[int, int, list[int]]], block_size: int
+    seqs: list[tuple[int, int, list[int]]], block_size: int,
+    decode_each_min_tokens: int | None = None,
 ) -> AttentionMetadata:
-    """seqs: (start_pos, num_tokens, block_ids) per sequence, in flat order."""
+    """seqs: (start_pos, num_tokens, block_ids) per sequence, in flat order.
+    decode_each_min_tokens: None for DECODE_EACH_MIN_TOKENS, read at call time."""
     bs = block_size
     slots: list[int] = []
     dec_tok: list[int] = []
@@ -71,13 +138,18 @@ def build_metadata(
     md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills,
                            block_size=bs)
     if dec_tok:
-        nb = max(len(b) for b in dec_blocks)
-        table = [b for row in dec_blocks for b in (row + [0] * (nb - len(row)))]
         md.decode_tok = torch.tensor(dec_tok, dtype=torch.long)
+        md.all_decode = not prefills
+        nb = max(len(b) for b in dec_blocks)
+        if decode_each_min_tokens is None:
+            decode_each_min_tokens = DECODE_EACH_MIN_TOKENS
+        if len(dec_tok) * nb * bs >= decode_each_min_tokens:
+            md.decode_each = [split_runs(b, n, bs) for b, n in zip(dec_blocks, dec_lens)]
+            return md
+        table = [b for row in dec_blocks for b in (row + [0] * (nb - len(row)))]
         md.decode_blocks = torch.tensor(table, dtype=torch.long)
         lens = torch.tensor(dec_lens, dtype=torch.long)
         md.decode_mask = (torch.arange(nb * bs).unsqueeze(0) < lens.unsqueeze(1)).view(len(dec_tok), 1, 1, nb * bs)
-        md.all_decode = not prefills
     return md
 
 
@@ -88,6 +160,7 @@ class PagedAttention:
         self.kv = kv  # [L, 2, S, KVH, D]
         self.md = md
         self._dec_buf: torch.Tensor | None = None  # decode gather target, reused by every layer
+        self._each_buf: torch.Tensor | None = None  # [2, nblk_max, bs, KVH, D], same for _decode_each
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = self.md
@@ -122,6 +195,8 @@ class PagedAttention:
     def _decode(self, paged: torch.Tensor, qd: torch.Tensor, KVH: int, H: int, D: int) -> torch.Tensor:
         """qd: [B, H, D] single-token queries -> [B, H, D]."""
         md = self.md
+        if md.decode_each is not None:
+            return self._decode_each(paged, qd, KVH, H, D)
         B = qd.shape[0]
         if self._dec_buf is None:   # one allocation per step, not per layer
             self._dec_buf = paged.new_empty((2, md.decode_blocks.numel()) + tuple(paged.shape[2:]))
@@ -131,3 +206,40 @@ class PagedAttention:
         vd = g[1].transpose(1, 2)
         od = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=md.decode_mask, enable_gqa=True)
         return od.squeeze(2)                                                 # [B, H, D]
+
+    def _decode_each(self, paged: torch.Tensor, qd: torch.Tensor, KVH: int, H: int, D: int) -> torch.Tensor:
+        """qd: [B, H, D] -> [B, H, D], one sequence at a time (why: module docstring)."""
+        seqs = self.md.decode_each
+        B, G = qd.shape[0], H // KVH
+        if self._each_buf is None:
+            nmax = max((d.gather.numel() for d in seqs if d.gather is not None), default=0)
+            self._each_buf = paged.new_empty((2, nmax) + tuple(paged.shape[2:]))
+        kbuf, vbuf = self._each_buf[0], self._each_buf[1]          # [nmax, bs, KVH, D] each
+        bs = paged.shape[2]
+        kflat = paged[0].view(-1, KVH, D)                          # [S, KVH, D]
+        vflat = paged[1].view(-1, KVH, D)
+        qg = qd.view(B, KVH, G, D)                                 # head h = kvh * G + g
+        out = qd.new_empty((B, KVH, G, D))
+        scale = D ** -0.5
+        for i, d in enumerate(seqs):
+            # pieces of the context, [n, KVH, D] each: runs in place, then the gathered rest
+            ks = [kflat[b * bs : (b + n) * bs] for b, n in d.runs]
+            vs = [vflat[b * bs : (b + n) * bs] for b, n in d.runs]
+            if d.gather is not None:
+                m = d.gather.numel()
+                # K and V gathered separately: each lands in a contiguous prefix of its buffer
+                ks.append(torch.index_select(paged[0], 0, d.gather, out=kbuf[:m]).view(-1, KVH, D)[: d.gather_tokens])
+                vs.append(torch.index_select(paged[1], 0, d.gather, out=vbuf[:m]).view(-1, KVH, D)[: d.gather_tokens])
+            # strided [KVH, D, n] / [KVH, n, D] views: BLAS takes the row stride as is
+            s = torch.cat([torch.bmm(qg[i], k.permute(1, 2, 0)) for k in ks], -1).mul_(scale)  # [KVH, G, ctx]
+            p = torch.softmax(s, -1)
+            oi = out[i]                                            # [KVH, G, D]
+            a = 0
+            for j, v in enumerate(vs):
+                pj = p[:, :, a : a + v.shape[0]]
+                if j == 0:
+                    torch.bmm(pj, v.transpose(0, 1), out=oi)
+                else:
+                    oi.baddbmm_(pj, v.transpose(0, 1))
+                a += v.shape[0]
+        return out.view(B, H, D)

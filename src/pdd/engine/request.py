@@ -40,6 +40,14 @@ FINISH_REASON = {
 }
 
 
+# Below this temperature a request samples greedily, as vLLM does
+# (its _SAMPLING_EPS): logits / 1e-300 overflow to inf and the softmax of a
+# row of infs is NaN, so "almost zero" has to mean "zero" somewhere.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+MAX_STOP_TOKEN_IDS = 1024
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -51,16 +59,37 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        # Every field is checked for type too: these also arrive over the
+        # internal API, and one bad value must fail its own request at
+        # submission, not a batch at sampling time.
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (0.0 <= self.temperature <= 100.0):
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if (not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+                or not all(_is_int(t) for t in self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    # NaN fails every comparison, so the range checks after this refuse it
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass

@@ -1,13 +1,19 @@
-"""Greedy and seeded temperature / top-p sampling.
+"""Greedy and seeded temperature / top-p sampling, numerically safe per row.
 
 A seeded request draws each token from a generator seeded by (seed, position),
 so the same request gives the same tokens on any instance: a relay decoder and
 a main decoder that take turns produce what one engine alone would.
+
+Every row is sampled on its own and can never fail: the distribution is built
+in float64 log space, the top token always survives top-p, and a row whose
+distribution still comes out degenerate (NaN, inf, all zero) is decoded
+greedily. One request's extreme parameters thus never raise inside a batch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -25,13 +31,28 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        probs = torch.softmax(logits[i].float() / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < p.top_p       # always keeps the top token
-            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+        probs = _distribution(logits[i], p)
+        if probs is None:
+            continue                      # degenerate row: keep the greedy token
         gen = torch.Generator().manual_seed(
             _position_seed(p.seed, positions[i]) if p.seed is not None else torch.seed()
         )
         out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
     return out
+
+
+def _distribution(row: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
+    """row: [V] logits -> [V] float64 probabilities, or None if they are unusable."""
+    if not math.isfinite(p.temperature) or p.temperature <= 0:
+        return None
+    logp = torch.log_softmax(row.double() / p.temperature, dim=-1)   # [V], max entry is 0
+    probs = logp.exp()
+    if p.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+        keep[0] = True       # the top token survives any top_p, however small
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+    total = float(probs.sum())
+    if not math.isfinite(total) or total <= 0.0 or bool(torch.isnan(probs).any()):
+        return None
+    return probs

@@ -3,9 +3,16 @@
 Two verbs, as in nano-vllm: `schedule()` builds a StepPlan (which requests
 compute how many tokens this step, under a token budget), and
 `postprocess(plan)` advances their state once the runner has executed it.
-Running requests go first (decodes before prefill chunks, to protect time per
-output token); waiting requests are admitted with their longest cached prefix
-while budget, sequence slots and KV blocks allow. When blocks run out, the
+Decodes go first (to protect time per output token). The rest of the budget
+goes to prompt work, shortest remaining first: running prefill / extend
+chunks and waiting requests (admitted with their longest cached prefix)
+alike, ordered by the tokens they still have to compute (ties by arrival).
+So a warm follow-up that computes a few dozen tokens is not queued behind a
+cold prompt's seconds of chunks. A step that completes prompts carries no
+chunk of a longer one: on a CPU a step's time grows with its tokens, so
+adding a 512-token chunk would make the short prompts wait for it; the long
+prompt resumes in the next step without them (it waits only while short
+prompts keep arriving, which they do at far less than the budget). When blocks run out, the
 most recently admitted request not yet in this step is preempted and later
 recomputed (its tokens are kept, so the output does not change).
 """
@@ -57,6 +64,7 @@ class Scheduler:
         self.running: list[EngineRequest] = []
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self._hashes: dict[str, tuple[int, list[bytes]]] = {}   # waiting request -> (tokens, block hashes)
 
     # -- membership ---------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -64,6 +72,7 @@ class Scheduler:
 
     def remove(self, req: EngineRequest, keep_blocks: bool = False) -> None:
         """Take a request out (finished or aborted); release its blocks unless kept."""
+        self._hashes.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -81,41 +90,67 @@ class Scheduler:
         plan = StepPlan()
         budget = self.cfg.max_num_batched_tokens
         in_plan: set[str] = set()
-        order = sorted(
-            (r for r in self.running if r.num_uncomputed > 0),
-            key=lambda r: (r.num_uncomputed > 1, r.arrival_s),
-        )
-        for req in order:
-            if budget == 0:
-                break
-            if req.request_id in plan.preempted:
+        decodes = sorted((r for r in self.running if r.num_uncomputed == 1), key=lambda r: r.arrival_s)
+        for req in decodes:
+            budget = self._run(req, budget, in_plan, plan)
+        # Prompt work, shortest remaining first: running chunks and waiting requests.
+        work = [(r.num_uncomputed, r.arrival_s, 0, k, r) for k, r in enumerate(self.running)
+                if r.num_uncomputed > 1]
+        work += [(self._remaining_estimate(r), r.arrival_s, 1, k, r) for k, r in enumerate(self.waiting)]
+        admitting, completing = True, False
+        for remaining, _, waiting, _, req in sorted(work, key=lambda w: w[:4]):
+            if budget <= 0 or (completing and remaining > budget):
+                break          # a step that ends prompts does not wait on a long chunk
+            completing = completing or remaining <= budget
+            if not waiting:
+                budget = self._run(req, budget, in_plan, plan)
                 continue
-            n = min(req.num_uncomputed, budget)
-            if not self._grow(req, req.num_computed_tokens + n, in_plan, plan):
+            if not admitting or len(self.running) >= self.cfg.max_num_seqs or req not in self.waiting:
                 continue
-            plan.seqs.append(self._seq(req, n))
-            in_plan.add(req.request_id)
-            budget -= n
-        while budget > 0 and self.waiting and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
             n = self._admit(req, budget)
             if n is None:
                 if not self.running and not plan.seqs:   # alone and still does not fit
-                    self.waiting.popleft()
+                    self.waiting.remove(req)
                     req.error = (
                         f"request needs {_blocks_for(req.num_tokens, self.pool.block_size)} KV blocks,"
                         f" the pool has {self.pool.num_blocks}"
                     )
                     plan.failed.append(req)
                     continue
-                break
-            self.waiting.popleft()
+                admitting = False      # no blocks now: later ones do not overtake it
+                continue
+            self.waiting.remove(req)
+            self._hashes.pop(req.request_id, None)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             plan.seqs.append(self._seq(req, n))
             in_plan.add(req.request_id)
             budget -= n
         return plan
+
+    def _run(self, req: EngineRequest, budget: int, in_plan: set[str], plan: StepPlan) -> int:
+        """Schedule up to `budget` tokens of a running request; returns the budget left."""
+        if budget == 0 or req.request_id in plan.preempted or req not in self.running:
+            return budget
+        n = min(req.num_uncomputed, budget)
+        if not self._grow(req, req.num_computed_tokens + n, in_plan, plan):
+            return budget
+        plan.seqs.append(self._seq(req, n))
+        in_plan.add(req.request_id)
+        return budget - n
+
+    def _remaining_estimate(self, req: EngineRequest) -> int:
+        """Tokens a waiting request would compute: its tokens less the cached prefix."""
+        cached = len(self.pool.lookup_prefix(self._block_hashes(req))) * self.pool.block_size
+        return req.num_tokens - min(cached, req.num_tokens - 1)
+
+    def _block_hashes(self, req: EngineRequest) -> list[bytes]:
+        """The full blocks' hashes of a waiting request, computed once per token count."""
+        known = self._hashes.get(req.request_id)
+        if known is None or known[0] != req.num_tokens:
+            known = self._hashes[req.request_id] = (
+                req.num_tokens, hash_blocks(req.token_ids, self.pool.block_size, self.namespace))
+        return known[1]
 
     def _seq(self, req: EngineRequest, n: int) -> ScheduledSeq:
         done = req.num_computed_tokens + n == req.num_tokens
@@ -152,7 +187,7 @@ class Scheduler:
         """Attach the longest cached prefix and blocks for the first chunk.
         Returns the number of tokens to compute now, or None if it cannot fit yet."""
         bs = self.pool.block_size
-        hashes = hash_blocks(req.token_ids, bs, self.namespace)
+        hashes = self._block_hashes(req)
         cached = self.pool.lookup_prefix(hashes)
         if len(cached) * bs >= req.num_tokens:   # keep >= 1 token to compute for logits
             cached = cached[:-1]

@@ -6,22 +6,28 @@ dataclasses, `now` in seconds), decisions out.
 
 from pdd.policy.config import HandoffOverride, PolicyConfig
 from pdd.policy.filter import (
-    PrefixReuseCounter, predict_abnormal, should_cancel_wan, warm_after_skip, warm_tokens_after_cancel,
+    PrefixReuseCounter, RelayBudgets, ShareBudget, in_filter_class, predict_abnormal, should_cancel_wan,
+    warm_after_skip, warm_tokens_after_cancel,
 )
 from pdd.policy.handoff import (
     Abandon, Complete, HandoffAction, HandoffError, HandoffMode, HandoffSession, HandoffState,
     SendBatch, choose_handoff_mode, new_session,
 )
 from pdd.policy.link_estimator import EstimatorConfig, LinkEstimator
-from pdd.policy.pipeline import NoRouteError, Pipeline, PipelineDecision, choose_pipeline, plan_warm
-from pdd.policy.routing import pick_instance, score_instance
+from pdd.policy.pipeline import (
+    NoRouteError, Pipeline, PipelineDecision, cancel_wan, choose_pipeline, convert_to_relay_only,
+    keep_wan_copy, note_decision, plan_warm,
+)
+from pdd.policy.routing import pick_instance, score_instance, wait_for_siblings
 from pdd.policy.views import ClusterView, InstanceView, LinkEstimate, RequestFacts, Role
 
 __all__ = [
     "Abandon", "ClusterView", "Complete", "EstimatorConfig", "HandoffAction", "HandoffError",
     "HandoffMode", "HandoffOverride", "HandoffSession", "HandoffState", "InstanceView",
     "LinkEstimate", "LinkEstimator", "NoRouteError", "Pipeline", "PipelineDecision",
-    "PolicyConfig", "PrefixReuseCounter", "RequestFacts", "Role", "SendBatch", "choose_handoff_mode",
-    "choose_pipeline", "new_session", "pick_instance", "plan_warm", "predict_abnormal", "score_instance",
-    "should_cancel_wan", "warm_after_skip", "warm_tokens_after_cancel",
+    "PolicyConfig", "PrefixReuseCounter", "RelayBudgets", "RequestFacts", "Role", "SendBatch",
+    "ShareBudget", "cancel_wan", "choose_handoff_mode", "choose_pipeline", "convert_to_relay_only",
+    "in_filter_class", "keep_wan_copy", "new_session", "note_decision", "pick_instance", "plan_warm",
+    "predict_abnormal", "score_instance", "should_cancel_wan", "wait_for_siblings", "warm_after_skip",
+    "warm_tokens_after_cancel",
 ]

@@ -30,6 +30,12 @@ class PolicyConfig:
     enable_drc: bool = True           # MD keeps a prefix cache (decode-side RadixCache)
     md_reachable: bool = True         # operator switch: False forces RELAY_ONLY ("wan down")
 
+    # A KV receiver answers HAVE only after a sibling transfer that is
+    # bringing it at least this fraction of the blocks it lacks has ended, so
+    # that two turns of one conversation do not send the same context over a
+    # slow WAN twice (0 disables the wait).
+    sibling_wait_min_fraction: float = 0.5
+
     # --- routing score: saved prefill tokens - load penalty (in tokens) ---
     # One running request costs roughly a decode slot; a queued one delays
     # this request by a whole prefill, so it weighs far more.
@@ -42,6 +48,25 @@ class PolicyConfig:
     # Abnormal when RLD's whole output, stretched by this factor, still ends
     # before the WAN copy lands (>= 1: only clear cases skip the WAN).
     filter_margin: float = 1.25
+    # ... and only for the report's class of abnormal traffic: an input at
+    # least this many times longer than the output bound (agentic turns read
+    # thousands of tokens and answer tens to hundreds: ratios of 10-100; a
+    # classify-this-document call answers a handful of tokens) ...
+    filter_min_io_ratio: float = 100.0
+    # ... whose input is mostly new to P: a request P holds more than this
+    # fraction of continues a conversation, and MD must learn what P knows
+    # (DRC) or every later turn of it lacks more and is filtered again.
+    filter_max_prefix_hit: float = 0.5
+    # ... while RLD-only requests (filtered or cancelled) stay at most this
+    # share of recent requests: the small relay pool is sized to hide
+    # latency, not to decode a class of traffic to the end.
+    relay_only_max_share: float = 0.05
+    relay_only_window: int = 200      # recent requests the shares are counted over
+    # Relays (and RLD-only requests) stop while RLD's expected share of the
+    # recent output tokens would pass this: the pool is sized to hide
+    # transfers, a small part of the decoding (the report's RLD emits 6.2%);
+    # past it, low-hit requests wait for their WAN copy on MD (DIRECT).
+    relay_max_token_share: float = 0.1
     rld_tpot_prior_s: float = 0.05    # RLD step time before it has reported one
     # A cancelled/skipped transfer's shared prefix is warmed on MD later only
     # when P has seen it reused by at least this many other requests.
@@ -59,6 +84,8 @@ class PolicyConfig:
             object.__setattr__(self, "handoff_mode", HandoffOverride(self.handoff_mode))
         if self.direct_max_wan_s < 0:
             raise ValueError("direct_max_wan_s must be >= 0")
+        if not 0.0 <= self.sibling_wait_min_fraction <= 1.0:
+            raise ValueError("sibling_wait_min_fraction must be in [0, 1]")
         if self.relay_min_gain_s < 0:
             raise ValueError("relay_min_gain_s must be >= 0")
         for name in ("penalty_tokens_per_running", "penalty_tokens_per_waiting",
@@ -67,6 +94,16 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.filter_margin < 1.0:
             raise ValueError("filter_margin must be >= 1.0 (RLD must clearly finish first)")
+        if self.filter_min_io_ratio < 0:
+            raise ValueError("filter_min_io_ratio must be >= 0")
+        if not 0.0 <= self.filter_max_prefix_hit <= 1.0:
+            raise ValueError("filter_max_prefix_hit must be in [0, 1]")
+        if not 0.0 <= self.relay_only_max_share <= 1.0:
+            raise ValueError("relay_only_max_share must be in [0, 1]")
+        if not 0.0 <= self.relay_max_token_share <= 1.0:
+            raise ValueError("relay_max_token_share must be in [0, 1]")
+        if self.relay_only_window < 1:
+            raise ValueError("relay_only_window must be >= 1")
         if self.rld_tpot_prior_s <= 0:
             raise ValueError("rld_tpot_prior_s must be > 0")
         if self.warm_min_prefix_reuses < 0:

@@ -8,6 +8,21 @@ output, so a wrong "abnormal" guess only errs towards less RLD work than
 predicted) or cancelled while in flight (`should_cancel_wan`, from live
 progress). RLD then runs the request to the end.
 
+"RLD ends first" alone is a greedy rule: on a slow line it holds for almost
+every request, and following it turns PDD into in-datacenter PD with the
+small relay pool as the decoder. Three bounds keep the filter to what it is
+for (`in_filter_class`, `RelayBudgets.requests`, and RLD room in the pipeline
+choice):
+* the report's class only: an input far longer than the output bound;
+* an input mostly new to P: a continuation whose context P holds and MD
+  lacks must cross, or MD's cache stays cold and the next turn of the same
+  conversation lacks even more (the self-feeding loop of a missing DRC);
+* a bounded share of recent requests, and only onto an RLD with a free
+  slot: a full relay pool is a reason to go direct, never to queue there.
+Relays themselves are bounded the same way, by the share of output tokens
+RLD is expected to emit (`RelayBudgets.tokens`): with short answers and long
+transfers a relay ends on RLD, and enough of those make RLD the decoder.
+
 Warming MD's cache with a skipped prefix later: only a *hot shared* prefix
 (`warm_tokens_after_cancel`). A private prefix is not pushed speculatively:
 if a later turn of the same conversation needs it on MD, that request's own
@@ -21,7 +36,8 @@ block-aligned part in the background pays off.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from collections import OrderedDict, deque
 from collections.abc import Hashable
 
 from pdd.policy.config import PolicyConfig
@@ -37,6 +53,74 @@ def predict_abnormal(req: RequestFacts, est_wan_s: float, rld_tpot_s: float,
         return False
     rld_finish_s = req.max_tokens * rld_tpot_s
     return rld_finish_s * cfg.filter_margin <= est_wan_s
+
+
+def in_filter_class(req: RequestFacts, p_matched_tokens: int, cfg: PolicyConfig) -> bool:
+    """A very long input, mostly new to P, for a very short output."""
+    if not cfg.enable_filter:
+        return False
+    long_short = req.num_prompt_tokens >= cfg.filter_min_io_ratio * req.max_tokens
+    fresh = max(p_matched_tokens, 0) <= cfg.filter_max_prefix_hit * req.num_prompt_tokens
+    return long_short and fresh
+
+
+class ShareBudget:
+    """A share of recent routing decisions kept under a bound: each decision
+    counts `part` of a `whole` (1 of 1 for an RLD-only request; a relay's
+    expected RLD tokens of its output bound), over the last `window`
+    decisions. Until the window holds 1 / max_share decisions, the missing
+    ones count as wholes of the average size with no part, so a cold start
+    cannot open with a run of RLD work. Pure: the router and the simulator
+    feed it the same decisions in the same order and get the same answers.
+    """
+
+    def __init__(self, max_share: float, window: int) -> None:
+        if not 0.0 <= max_share <= 1.0 or window < 1:
+            raise ValueError("ShareBudget: max_share in [0, 1], window >= 1")
+        self.max_share = max_share
+        self._recent: deque[list[float]] = deque(maxlen=window)
+        self._floor = math.ceil(1.0 / max_share) if max_share > 0 else 0
+
+    @property
+    def part(self) -> float:
+        return sum(p for p, _ in self._recent)
+
+    @property
+    def whole(self) -> float:
+        return sum(w for _, w in self._recent)
+
+    def allows(self, part: float, whole: float) -> bool:
+        """One more decision of `part` in `whole` keeps the share within the bound."""
+        if part <= 0 or self.max_share >= 1:
+            return True
+        if self.max_share <= 0:
+            return False
+        n = len(self._recent) + 1
+        wholes = self.whole + whole
+        wholes += max(self._floor - n, 0) * wholes / n       # a short history: pad it
+        return self.part + part <= self.max_share * wholes + 1e-9
+
+    def note(self, part: float, whole: float) -> None:
+        """Count one routing decision."""
+        self._recent.append([float(part), float(whole)])
+
+    def convert(self) -> None:
+        """The newest counted decision without its whole share now has it (a
+        relayed request became RLD-only: its WAN copy was cancelled)."""
+        for entry in reversed(self._recent):
+            if entry[0] < entry[1]:
+                entry[0] = entry[1]
+                return
+
+
+class RelayBudgets:
+    """What the small relay pool is allowed to carry, as shares of recent
+    decisions: RLD-only requests (the filter) and RLD's tokens (relays' eager
+    tokens and RLD-only outputs, as predicted at routing)."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.requests = ShareBudget(cfg.relay_only_max_share, cfg.relay_only_window)
+        self.tokens = ShareBudget(cfg.relay_max_token_share, cfg.relay_only_window)
 
 
 def should_cancel_wan(now: float, tokens_left: int, est_remaining_wan_s: float,

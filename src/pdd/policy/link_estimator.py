@@ -88,6 +88,14 @@ class LinkEstimator:
         self._mxx += w * (x * x - self._mxx)
         self._mxy += w * (x * y - self._mxy)
 
+    def observe_transfer(self, now: float, num_bytes: int, elapsed_s: float, handshake_s: float = 0.0) -> None:
+        """A completed transfer as its sender timed it. The receiver may have
+        held its HAVE back while another transfer brought it the same blocks:
+        that is queueing behind a sibling, not the line's speed, so the time
+        beyond one round trip of the handshake is left out."""
+        held_back = max(0.0, handshake_s - self._rtt)
+        self.observe(now, num_bytes, max(elapsed_s - held_back, 1e-6))
+
     def _fit(self) -> tuple[float, float] | None:
         """(rate in bytes/s, overhead s) from the two-term fit, when it is trustworthy."""
         if self.num_samples < self.cfg.fit_min_samples or self._mx <= 0:

@@ -9,16 +9,21 @@ Decision order, over one ClusterView snapshot:
 4. Bytes MD lacks = prompt blocks MD does not hold (all of them without DRC);
    est_wan_s = rtt + bytes / measured throughput. Measured, not a constant
    hit rate: a 99%-hit request on a congested line can still be slow.
-5. The filter: RLD would finish the whole output before the copy lands ->
-   RELAY_ONLY, no WAN transfer (queued on the least-loaded RLD when none
-   has room: a few tokens there beat the biggest transfer over the WAN).
+5. The filter: a request of the abnormal class (`in_filter_class`: very
+   long, mostly new input, very short output) that an RLD with a free slot
+   would finish before the copy lands, while the RLD-only share of recent
+   requests is within its budget -> RELAY_ONLY, no WAN transfer. Never
+   queued on a full relay pool: that is how RLD-only work snowballs.
 6. est_wan_s <= direct_max_wan_s -> DIRECT: MD holds the KV about as soon
    as an RLD could have mattered. Also DIRECT when the local link is
    measured and RLD would hold the prompt KV (what its own prefix cache
    lacks) less than relay_min_gain_s before MD holds what *it* lacks: then
    a relay would add RLD's work and a handoff for no earlier token (a
    high-hit request whose RLD has nothing cached, say).
-7. Otherwise RELAY with the least-loaded RLD that has room; none -> DIRECT.
+7. Otherwise RELAY with the least-loaded RLD that has room, while RLD's
+   expected share of recent output tokens stays within its budget
+   (`RelayBudgets.tokens`: eager tokens = est_wan_s / RLD's step time, at
+   most the output bound); none, or past the budget -> DIRECT.
 
 There is deliberately no plain P->RLD pipeline for low-hit requests: low-hit
 requests are the ones with the longest transfers, and finishing them on RLD
@@ -36,7 +41,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from pdd.policy.config import PolicyConfig
-from pdd.policy.filter import PrefixReuseCounter, predict_abnormal, warm_after_skip
+from pdd.policy.filter import (
+    PrefixReuseCounter, RelayBudgets, in_filter_class, predict_abnormal, should_cancel_wan,
+    warm_after_skip,
+)
 from pdd.policy.routing import pick_instance
 from pdd.policy.views import ClusterView, InstanceView, RequestFacts, Role
 
@@ -61,6 +69,14 @@ class PipelineDecision:
     missing_bytes: int      # KV bytes MD lacks (0 when unknown: WAN down)
     est_wan_s: float        # inf when the WAN is down
     reason: str
+    # Of the filter's class: the live filter may still cancel its WAN copy.
+    filterable: bool = False
+    rld_tokens: int = 0     # output tokens RLD is expected to emit (RELAY: eager; RELAY_ONLY: all)
+
+    @property
+    def relay_only_by_choice(self) -> bool:
+        """Kept off the WAN by the filter (not because the WAN is down)."""
+        return self.pipeline is Pipeline.RELAY_ONLY and self.md_id is not None
 
 
 def rld_has_room(rld: InstanceView, req: RequestFacts) -> bool:
@@ -88,7 +104,10 @@ def _least_loaded_rld(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig
     return cluster.instance(pick_instance(rlds, {}, req.num_prompt_tokens, cluster.now, cfg))
 
 
-def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) -> PipelineDecision:
+def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
+                    budgets: RelayBudgets | None = None) -> PipelineDecision:
+    """`budgets` bound what RLD carries (None: unbounded); the caller notes
+    every decision in them (`note_decision`)."""
     prefills = cluster.with_role(Role.PREFILL)
     if not prefills:
         raise NoRouteError("no prefill instance")
@@ -97,43 +116,81 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig) 
     rld = _pick_rld(req, cluster, cfg)
     rld_id = rld.instance_id if rld else None
 
-    # Where a request that must stay on RLD queues when none has room: room frees up.
-    queue_rld = rld or _least_loaded_rld(req, cluster, cfg)
-
     mds = cluster.with_role(Role.MAIN) or cluster.with_role(Role.DECODE)
     if not mds or not cfg.md_reachable or not cluster.wan.usable:
+        # Nowhere else to go: queue on RLD even when it is full (room frees up).
+        queue_rld = rld or _least_loaded_rld(req, cluster, cfg)
         if queue_rld is None:
             raise NoRouteError("WAN down and no relay-decode instance")
         return PipelineDecision(Pipeline.RELAY_ONLY, p_id, queue_rld.instance_id, None, False, 0,
-                                math.inf, "wan down")
+                                math.inf, "wan down", rld_tokens=req.max_tokens)
 
     md_matched = {m.instance_id: cluster.matched(m.instance_id) for m in mds} if cfg.enable_drc else {}
     md_id = pick_instance(mds, md_matched, n, cluster.now, cfg)
     missing = req.missing_kv_bytes(md_matched.get(md_id, 0))
     est = cluster.wan.transfer_s(missing)
+    filterable = bool(cluster.with_role(Role.RELAY)) and in_filter_class(req, cluster.matched(p_id), cfg)
 
-    # The filter also applies when the relay pool is full: the request then
-    # queues on RLD (a few tokens, soon done) rather than send the biggest
-    # transfer there is over the WAN for them.
-    if queue_rld is not None and predict_abnormal(req, est, rld_tpot_s(queue_rld, cfg), cfg):
-        return PipelineDecision(Pipeline.RELAY_ONLY, p_id, queue_rld.instance_id, md_id, False,
-                                missing, est, f"abnormal: {req.max_tokens} tokens end on RLD before "
-                                f"the KV lands ({est:.3f}s)")
+    def direct(why: str) -> PipelineDecision:
+        return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why, filterable)
+
+    m = req.max_tokens
+    if (filterable and rld is not None and predict_abnormal(req, est, rld_tpot_s(rld, cfg), cfg)
+            and (budgets is None or (budgets.requests.allows(1, 1) and budgets.tokens.allows(m, m)))):
+        return PipelineDecision(Pipeline.RELAY_ONLY, p_id, rld_id, md_id, False, missing, est,
+                                f"abnormal: {m} tokens end on RLD before the KV lands ({est:.3f}s)",
+                                filterable, m)
     if est <= cfg.direct_max_wan_s:
-        return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est,
-                                f"wan {est:.3f}s <= {cfg.direct_max_wan_s}s")
+        return direct(f"wan {est:.3f}s <= {cfg.direct_max_wan_s}s")
     if cluster.local is not None and cluster.local.usable and rld is not None:
         # What RLD lacks crosses the local link (its prefix cache skips the rest).
         local = cluster.local.transfer_s(req.missing_kv_bytes(cluster.matched(rld.instance_id)))
         if est - local < cfg.relay_min_gain_s:
-            return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est,
-                                    f"relay gains {est - local:.3f}s < {cfg.relay_min_gain_s}s "
-                                    f"(wan {est:.3f}s, local {local:.3f}s)")
+            return direct(f"relay gains {est - local:.3f}s < {cfg.relay_min_gain_s}s "
+                          f"(wan {est:.3f}s, local {local:.3f}s)")
     if rld is None:
-        why = "no relay-decode instance" if not cluster.with_role(Role.RELAY) else "relay pool full"
-        return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why)
+        return direct("no relay-decode instance" if not cluster.with_role(Role.RELAY) else "relay pool full")
+    eager = min(m, math.ceil(est / rld_tpot_s(rld, cfg)))
+    if budgets is not None and not budgets.tokens.allows(eager, m):
+        return direct(f"relay budget: RLD would emit ~{eager} of {m} tokens past its "
+                      f"{cfg.relay_max_token_share:.0%} share")
     return PipelineDecision(Pipeline.RELAY, p_id, rld_id, md_id, True, missing, est,
-                            f"wan {est:.3f}s > {cfg.direct_max_wan_s}s")
+                            f"wan {est:.3f}s > {cfg.direct_max_wan_s}s", filterable, eager)
+
+
+def note_decision(budgets: RelayBudgets, d: PipelineDecision, req: RequestFacts) -> None:
+    """Count a routing decision in the relay budgets (router and simulator alike)."""
+    budgets.requests.note(1 if d.relay_only_by_choice else 0, 1)
+    budgets.tokens.note(d.rld_tokens, req.max_tokens)
+
+
+def cancel_wan(d: PipelineDecision, budgets: RelayBudgets | None, now: float, wan_elapsed_s: float,
+               tokens_left: int, rld: InstanceView, cfg: PolicyConfig) -> bool:
+    """The live filter, while a relayed request's WAN copy is in flight:
+    cancel it when the request is of the filter's class, the RLD-only budget
+    has room, and RLD will end first (`should_cancel_wan`) by the routing
+    estimate less the time the copy has already had. The caller then calls
+    `convert_to_relay_only`."""
+    if not d.filterable or (budgets is not None and not budgets.requests.allows(1, 1)):
+        return False
+    remaining = max(0.0, d.est_wan_s - max(wan_elapsed_s, 0.0))
+    return should_cancel_wan(now, max(tokens_left, 0), remaining, rld_tpot_s(rld, cfg), cfg)
+
+
+def convert_to_relay_only(budgets: RelayBudgets) -> None:
+    """The live filter cancelled a relayed request's WAN copy: it counts as
+    RLD-only, all of its tokens RLD's."""
+    budgets.requests.convert()
+    budgets.tokens.convert()
+
+
+def keep_wan_copy(d: PipelineDecision) -> bool:
+    """RLD finished a relayed request before MD held its KV: let the copy land
+    anyway, so MD's prefix cache learns the context as P's did (DRC), unless
+    the request is of the filter's class, which nothing is expected to reuse.
+    Cancelling it instead is the self-feeding loop: the next turn of the
+    conversation lacks all of it on MD, is relayed again, ends on RLD again."""
+    return d.start_wan and not d.filterable
 
 
 def plan_warm(d: PipelineDecision, matched: Mapping[str, int], prefix_key: Callable[[int], Hashable],

@@ -50,3 +50,17 @@ def pick_instance(candidates: Sequence[InstanceView], matched_tokens: Mapping[st
                        i.instance_id),
     )
     return best.instance_id
+
+
+def wait_for_siblings(num_lacking_blocks: int, num_arriving_blocks: int, cfg: PolicyConfig) -> bool:
+    """A receiver lacks `num_lacking_blocks` of a transfer's blocks and another
+    transfer in flight is bringing `num_arriving_blocks` of them: hold the
+    HAVE answer until that one ends when it brings at least
+    `sibling_wait_min_fraction` of them (DRC under a slow line: a follow-up
+    turn sent while its predecessor's copy still crosses would otherwise send
+    the whole shared context again, and the line's backlog feeds on itself)."""
+    if num_lacking_blocks < 0 or num_arriving_blocks < 0:
+        raise ValueError("wait_for_siblings: negative block counts")
+    if cfg.sibling_wait_min_fraction <= 0 or num_lacking_blocks == 0 or num_arriving_blocks == 0:
+        return False
+    return num_arriving_blocks >= cfg.sibling_wait_min_fraction * num_lacking_blocks

@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="certificate directory (ca.crt, NAME.crt, NAME.key; default: the file's [tls] dir)")
     p.add_argument("--cache", default=None, help="model cache dir (default $PDD_CACHE or ~/.cache/pdd)")
     p.add_argument("--override", default=None, help="JSON overrides of the deployment file (used by pdd bench)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="router only: a client API key (repeat or comma-separate for several; also $PDD_API_KEY "
+                        "and the deployment's [router] api_keys_file / api_key_env). None: the API is open")
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -41,7 +44,10 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model_path(spec.model, cache)
     tls_dir = Path(args.tls_dir) if args.tls_dir else spec.tls.dir
     if args.router:
-        return asyncio.run(_serve_router(spec, secret, model_dir, tls_dir))
+        from pdd.server.api_keys import collect_api_keys
+
+        keys = collect_api_keys(spec, args.api_key, os.environ)   # the one place keys are read
+        return asyncio.run(_serve_router(spec, secret, model_dir, keys, tls_dir))
     return asyncio.run(_serve_instance(spec, spec.instance(args.name), secret, model_dir, tls_dir))
 
 
@@ -83,12 +89,14 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path, tls_dir: P
     return 0
 
 
-async def _serve_router(spec, secret: bytes, model_dir: Path, tls_dir: Path | None) -> int:
+async def _serve_router(spec, secret: bytes, model_dir: Path, api_keys: frozenset[str],
+                        tls_dir: Path | None) -> int:
     from aiohttp import web
 
     from pdd.model.loader import read_model_config
     from pdd.model.tokenizer import Tokenizer
     from pdd.deploy.spec import ROUTER_CERT_NAME
+    from pdd.server.api_keys import ApiKeys
     from pdd.server.router import RouterServer
     from pdd.transport.tls import TlsError, TlsFiles, router_peers, uses_tls
 
@@ -98,7 +106,7 @@ async def _serve_router(spec, secret: bytes, model_dir: Path, tls_dir: Path | No
             raise TlsError(f"TLS is on (tls.mode = {spec.tls.mode.value}): pass --tls-dir or set [tls] dir")
         peers = router_peers(spec, TlsFiles(tls_dir, ROUTER_CERT_NAME))
     router = RouterServer(spec, secret, Tokenizer(model_dir), read_model_config(model_dir), model_dir.name,
-                          internal_tls=peers)
+                          ApiKeys(api_keys), internal_tls=peers)
     runner = web.AppRunner(router.app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, spec.router_host, spec.router_port).start()

@@ -14,7 +14,9 @@ from dataclasses import dataclass, replace
 
 from pdd.deploy.spec import DeploymentSpec, InstanceSpec, Role
 from pdd.deploy.topology import Address, address
-from pdd.policy import ClusterView, InstanceView, LinkEstimator, PolicyConfig, PrefixReuseCounter
+from pdd.policy import (
+    ClusterView, InstanceView, LinkEstimator, PolicyConfig, PrefixReuseCounter, RelayBudgets,
+)
 from pdd.policy import Role as PolicyRole
 from pdd.server.wire import InternalClient
 
@@ -50,6 +52,7 @@ class Cluster:
         # before the first measurement.
         self.local = LinkEstimator.from_line(LOCAL_LINE_BITS_S, LOCAL_LATENCY_S)
         self.prefix_reuses = PrefixReuseCounter()
+        self.relay_budgets = RelayBudgets(self.policy)
         self.wan_up = True
 
     def kv_address(self, target: str, from_instance: str) -> Address:

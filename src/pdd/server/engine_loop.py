@@ -4,6 +4,12 @@ The engine is single-threaded; everything that touches it (submit, extend,
 abort, KV import, stats) runs as a command on the engine thread between two
 steps. Token events go back to the asyncio loop, into one queue per request.
 
+KV import is the exception: its calls touch only the block pool and free
+blocks of the KV tensor, under the engine's `pool_lock`, which a step holds
+only while it schedules and books (not while the model runs). `call_now`
+runs them at once on the caller's thread, so an arriving transfer does not
+wait for the step under way (up to a whole prefill chunk).
+
 Lifecycle of a request's queue: created by `submit`, fed StepEvents, closed
 (None) after the finishing event, dropped by the caller when read.
 """
@@ -11,6 +17,7 @@ Lifecycle of a request's queue: created by `submit`, fed StepEvents, closed
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -18,6 +25,8 @@ from typing import Any, Callable
 
 from pdd.engine.engine import Engine, StepEvent
 from pdd.engine.request import EngineRequest
+
+log = logging.getLogger(__name__)
 
 
 class EngineLoop:
@@ -48,6 +57,12 @@ class EngineLoop:
         self._commands.put((fn, fut))
         return await fut
 
+    def call_now(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run fn(engine) on the calling thread under the pool lock: only for
+        work that touches nothing but the block pool (KV import)."""
+        with self.engine.pool_lock:
+            return fn(self.engine)
+
     async def submit(self, req: EngineRequest) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.request_id] = q
@@ -74,7 +89,12 @@ class EngineLoop:
             t0 = time.perf_counter()
             try:
                 events = self.engine.step()
-            except Exception as e:  # a failed step must not hang its requests
+            except Exception as e:
+                # Engine.step already fails a request whose own computation
+                # raises, alone; reaching here means the engine's bookkeeping
+                # itself broke, and then no request's state can be trusted.
+                # Still, none may hang.
+                log.exception("engine step failed")
                 events = self._fail_all(f"engine step failed: {e!r}")
             self.busy_s += time.perf_counter() - t0
             if events:
@@ -88,7 +108,8 @@ class EngineLoop:
         while item is not None:
             fn, fut = item
             try:
-                res, err = fn(self.engine), None
+                with self.engine.pool_lock:
+                    res, err = fn(self.engine), None
             except Exception as e:
                 res, err = None, e
             self.loop.call_soon_threadsafe(_settle, fut, res, err)
@@ -99,10 +120,11 @@ class EngineLoop:
 
     def _fail_all(self, msg: str) -> list[StepEvent]:
         out = []
-        for rid, req in list(self.engine.requests.items()):
-            if not req.status.finished:
-                self.engine.abort(rid)
-                out.append(StepEvent(rid, finished=True, finish_reason="error", error=msg))
+        with self.engine.pool_lock:
+            for rid, req in list(self.engine.requests.items()):
+                if not req.status.finished:
+                    self.engine.abort(rid)
+                    out.append(StepEvent(rid, finished=True, finish_reason="error", error=msg))
         return out
 
     def _deliver(self, events: list[StepEvent]) -> None:

@@ -123,12 +123,13 @@ def note_transfer(ctx: RequestContext, ev: dict, cluster: Cluster) -> None:
         if link == "wan":
             ctx.trace.wan_bytes += int(ev.get("payload_bytes", 0))
             if ev.get("elapsed_s"):
-                cluster.wan.observe(time.monotonic(), int(ev.get("payload_bytes", 0)), float(ev["elapsed_s"]))
+                cluster.wan.observe_transfer(time.monotonic(), int(ev.get("payload_bytes", 0)),
+                                             float(ev["elapsed_s"]), float(ev.get("handshake_s") or 0.0))
         else:
             ctx.trace.local_bytes += int(ev.get("payload_bytes", 0))
             if ev.get("elapsed_s"):
-                cluster.local.observe(time.monotonic(), int(ev.get("payload_bytes", 0)),
-                                      float(ev["elapsed_s"]))
+                cluster.local.observe_transfer(time.monotonic(), int(ev.get("payload_bytes", 0)),
+                                               float(ev["elapsed_s"]), float(ev.get("handshake_s") or 0.0))
         ctx.trace.kv_landed_s[ev["target"]] = ev.get("ts", time.time()) - ctx.trace.arrival_s
     elif link == "wan":
         ctx.trace.wan_bytes += int(ev.get("payload_bytes", 0))

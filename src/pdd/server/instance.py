@@ -29,6 +29,8 @@ from pdd.engine.engine import Engine, InvalidRequestError
 from pdd.engine.hashing import hash_blocks
 from pdd.engine.kv_codec import BLOCK_DIGEST, KVImportError, open_block
 from pdd.engine.request import EngineRequest
+from pdd.keys import DeploymentKeys
+from pdd.policy import PolicyConfig, wait_for_siblings
 from pdd.server.engine_loop import EngineLoop
 from pdd.server.http_auth import internal_auth_middleware
 from pdd.server.instance_metrics import InstanceMetrics
@@ -46,10 +48,6 @@ def bad_request(msg: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": msg, "type": "invalid_request_error"}}, status=status)
 
 
-MAX_PENDING_BLOCKS = 64
-FLUSH_BLOCKS = 16          # start importing mid-transfer once this many blocks wait
-
-
 @dataclass
 class KVArrival:
     """One request's incoming prompt KV (decode side)."""
@@ -57,8 +55,10 @@ class KVArrival:
     created_s: float = field(default_factory=time.monotonic)
     importer: object | None = None
     status: TransferStatus | None = None
-    pending: list = field(default_factory=list)      # (index, payload) not yet in the pool
-    flushing: asyncio.Task | None = None
+    hashes: list = field(default_factory=list)       # the transfer's block hashes (BEGIN)
+    skipped: set = field(default_factory=set)        # indices this receiver already held (HAVE)
+    landed: set = field(default_factory=set)         # indices whose blocks are in the pool
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
     warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
 
 
@@ -76,7 +76,8 @@ def _tls_peer_middleware(allowed: frozenset[str]):
 class InstanceServer:
     def __init__(self, spec: DeploymentSpec, inst: InstanceSpec, secret: bytes, engine: Engine,
                  tls_dir: Path | None = None):
-        self.spec, self.inst, self.secret, self.engine = spec, inst, secret, engine
+        self.spec, self.inst, self.engine = spec, inst, engine
+        self.keys = DeploymentKeys.derive(secret)   # per purpose; the master secret is not kept
         self.tls_files = tls.TlsFiles(tls_dir, inst.name) if tls_dir is not None else None
         self.loop: EngineLoop | None = None
         self.receiver: KVReceiver | None = None
@@ -84,8 +85,10 @@ class InstanceServer:
         self.arrivals: dict[str, KVArrival] = {}
         self.jobs: dict[str, PrefillJob] = {}
         self.metrics = InstanceMetrics(inst.name, inst.role.value)
-        self.kv_reuse = bool(spec.policy.get("enable_drc", True))
-        middlewares = [internal_auth_middleware(secret)]
+        self.policy = PolicyConfig.from_dict(spec.policy)
+        self.kv_reuse = self.policy.enable_drc
+        # Bodies are read (up to client_max_size) only after the signature checked out.
+        middlewares = [internal_auth_middleware(self.keys.internal_http, inst.name)]
         if tls.http_tls(spec, inst):
             middlewares.append(_tls_peer_middleware(frozenset({ROUTER_CERT_NAME})))
         self.app = web.Application(middlewares=middlewares, client_max_size=64 << 20)
@@ -115,11 +118,11 @@ class InstanceServer:
         spec, inst = self.spec, self.inst
         if inst.role.decodes:
             kv_tls = tls.server_context(self._tls_files()) if tls.kv_tls(spec, inst) else None
-            self.receiver = await KVReceiver.start(inst.host, inst.kv_port, self.secret, self,
+            self.receiver = await KVReceiver.start(inst.host, inst.kv_port, self.keys.kv, self,
                                                    tls=kv_tls, tls_peers=tls.kv_senders(spec))
         if inst.role == Role.PREFILL:
             peers = tls.kv_peers(spec, inst, self._tls_files()) if tls.uses_tls(spec) else {}
-            self.sender = KVSender(self.secret, tls=lambda host, port: peers.get((host, port)), seal_blocks=True)
+            self.sender = KVSender(self.keys.kv, tls=lambda host, port: peers.get((host, port)), seal_blocks=True)
         runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
         http_tls = None
@@ -179,9 +182,19 @@ class InstanceServer:
         return web.json_response({"matched_tokens": matched})
 
     async def abort(self, request: web.Request) -> web.Response:
-        rid = str((await request.json()).get("request_id"))
+        body = await request.json()
+        rid = str(body.get("request_id"))
         await self.loop.abort(rid)
-        self._drop_arrival(rid)
+        a = self.arrivals.get(rid)
+        if body.get("keep_kv") and a is not None and a.status is None:
+            # The request is gone but its KV is still landing: let it land into
+            # the prefix cache, as a warm push does (dropped at its END).
+            a.warm = True
+            if not a.done.done():
+                a.done.set_exception(RuntimeError("aborted"))
+                a.done.exception()  # mark retrieved
+        else:
+            self._drop_arrival(rid)
         return web.json_response({"aborted": rid})
 
     # -- colocated --------------------------------------------------------------
@@ -265,10 +278,44 @@ class InstanceServer:
 
     def _drop_arrival(self, rid: str) -> None:
         a = self.arrivals.pop(rid, None)
+        if a is not None:
+            a.ended.set()
         if a is not None and not a.done.done():
             a.done.set_exception(RuntimeError("aborted"))
             a.done.exception()  # mark retrieved
         asyncio.get_running_loop().create_task(self.loop.call(lambda e: e._release_pins(rid)))
+
+    def _siblings_bringing(self, request_id: str, hashes: list[bytes]) -> tuple[int, list[KVArrival]]:
+        """(how many of `hashes` that this receiver lacks are on their way in
+        another transfer, those transfers)."""
+        wanted = {h for h in hashes if not self.engine.pool.holds(h)}
+        count, siblings = 0, []
+        for rid, b in self.arrivals.items():
+            if rid == request_id or b.importer is None or b.status is not None:
+                continue
+            coming = {h for i, h in enumerate(b.hashes) if i not in b.skipped and i not in b.landed} & wanted
+            if coming:
+                count += len(coming)
+                wanted -= coming
+                siblings.append(b)
+        return count, siblings
+
+    async def _wait_for_siblings(self, request_id: str, hashes: list[bytes]) -> None:
+        """DRC under a slow line: when most of what this transfer lacks is
+        already on its way in another one (the previous turn of the same
+        conversation, say), answer HAVE only once that one has ended, so the
+        same blocks do not cross the WAN twice. Bounded: a slow or failed
+        sibling only means the blocks are sent after all."""
+        if not self.kv_reuse:
+            return
+        lacking = sum(1 for h in hashes if not self.engine.pool.holds(h))
+        coming, siblings = self._siblings_bringing(request_id, hashes)
+        if not siblings or not wait_for_siblings(lacking, coming, self.policy):
+            return
+        waits = [asyncio.ensure_future(b.ended.wait()) for b in siblings]
+        done, pending = await asyncio.wait(waits, timeout=self.spec.kv_deadline_s / 2)
+        for w in pending:
+            w.cancel()
 
     async def on_begin(self, request_id: str, meta: dict, block_hashes: list[bytes]) -> set[int]:
         if meta.get("block_digest") != BLOCK_DIGEST:
@@ -276,6 +323,8 @@ class InstanceServer:
             raise KVImportError(f"KV blocks must be sealed with {BLOCK_DIGEST} (got {meta.get('block_digest')!r})")
         a = self._arrival(request_id)
         a.warm = bool(meta.get("warm"))
+        a.hashes = list(block_hashes)
+        await self._wait_for_siblings(request_id, a.hashes)
 
         def begin(e: Engine) -> set[int]:
             a.importer = e.begin_import(meta, block_hashes, pin_for=request_id)
@@ -286,7 +335,10 @@ class InstanceServer:
                 e._pin(request_id, block)
             return held
 
-        return await self.loop.call(begin)
+        # The pool lock, not the engine thread: HAVE goes back while a step
+        # runs, instead of after it (up to a whole prefill chunk).
+        a.skipped = self.loop.call_now(begin)
+        return a.skipped
 
     async def on_block(self, request_id: str, index: int, block_hash: bytes, payload: bytes) -> None:
         a = self.arrivals.get(request_id)
@@ -297,34 +349,17 @@ class InstanceServer:
         # transfer (the receiver answers ERROR), so the request takes the
         # policy's failure path instead of decoding on altered KV.
         payload = open_block(payload, index)
-        # Blocks go into the pool in batches: one engine-thread call per batch, not
-        # per block, so a decoder busy with long steps still imports at line rate.
-        # Each call waits for the engine's next step boundary, so a small
-        # transfer is imported in one call at its END (one wait, not two).
-        a.pending.append((index, payload))
-        if len(a.pending) >= FLUSH_BLOCKS and (a.flushing is None or a.flushing.done()):
-            a.flushing = asyncio.get_running_loop().create_task(self._flush(a))
-        if len(a.pending) >= MAX_PENDING_BLOCKS:       # bound what waits in memory
-            await asyncio.shield(a.flushing)
-
-    async def _flush(self, a: KVArrival) -> None:
-        while a.pending:
-            batch, a.pending = a.pending, []
-            await self.loop.call(lambda e: [a.importer.add_block(i, p) for i, p in batch])
+        # Into the pool as it lands, during the engine's step: at END every
+        # block is already there, so a transfer costs no wait for a step.
+        self.loop.call_now(lambda e: a.importer.add_block(index, payload))
+        a.landed.add(index)
 
     async def on_end(self, request_id: str, status: TransferStatus) -> None:
         a = self.arrivals.get(request_id)
         if a is None:
             return
-        import_error = None
-        try:
-            if a.flushing is not None:
-                await a.flushing
-            if a.pending and status.ok:
-                await self._flush(a)              # success means every block is in the pool
-        except Exception as e:
-            import_error = f"importing KV failed: {e}"
         a.status = status
+        a.ended.set()
         self.metrics.on_kv_received(status)
         if a.warm:
             # The blocks stay in the prefix cache (committed as they landed);
@@ -332,9 +367,7 @@ class InstanceServer:
             self._drop_arrival(request_id)
             return
         if not a.done.done():
-            if import_error:
-                a.done.set_exception(RuntimeError(import_error))
-            elif status.ok:
+            if status.ok:
                 a.done.set_result(status)
             else:
                 a.done.set_exception(RuntimeError(f"KV transfer failed: {status.error}"))

@@ -8,6 +8,7 @@ or a transfer parameter.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,61 @@ class ParsedRequest:
     model: str
 
 
+# JSON deeper than this is refused before any field is read: no request of
+# the API needs more than 4 levels (chat content parts), and json's C decoder
+# recurses, so 1,000 levels would otherwise end in a RecursionError.
+MAX_BODY_DEPTH = 32
+
+
+def decode_body(raw: bytes) -> object:
+    """Raw request bytes -> a JSON value, or ApiError (400) for anything the
+    parser or tokenizer would choke on later: invalid UTF-8, NaN/Infinity,
+    nesting past MAX_BODY_DEPTH, strings with lone surrogates."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(f"request body is not valid UTF-8: {e}") from None
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ApiError(f"request body nests deeper than {MAX_BODY_DEPTH} levels") from None
+    except ValueError as e:   # JSONDecodeError, or a NaN / Infinity literal
+        raise ApiError(f"request body is not valid JSON: {e}") from None
+    _check_values(body)
+    return body
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_values(body: object) -> None:
+    stack = [(body, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            _check_text(v)
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth > MAX_BODY_DEPTH:
+            raise ApiError(f"request body nests deeper than {MAX_BODY_DEPTH} levels")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                _check_text(k)
+                stack.append((x, depth + 1))
+        else:
+            stack.extend((x, depth + 1) for x in v)
+
+
+def _check_text(s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:   # "\ud800": valid JSON, not text any tokenizer can take
+        raise ApiError(f"request body holds a string that is not valid Unicode ({e.reason} "
+                       f"at position {e.start})") from None
+
+
 def _typed(body: dict, key: str, types, default, name: str | None = None):
     v = body.get(key, default)
     if v is None:
@@ -41,18 +97,32 @@ def _typed(body: dict, key: str, types, default, name: str | None = None):
     if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         raise ApiError(f"'{key}' must be {name or types}, got {v!r}", param=key)
     if not isinstance(v, types):
-        raise ApiError(f"'{key}' must be {name or getattr(types, '__name__', types)}, got {v!r}", param=key)
+        raise ApiError(f"'{key}' must be {name or getattr(types, '__name__', types)}, got {_short(v)}", param=key)
     return v
 
 
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _number(body: dict, key: str, default: float) -> float:
+    v = _typed(body, key, (int, float), default, "a number")
+    try:
+        return float(v)
+    except OverflowError:   # an int of 400 digits
+        raise ApiError(f"'{key}' is out of range", param=key) from None
+
+
 def parse_request(body, chat: bool, tokenizer, served_model: str, max_model_len: int) -> ParsedRequest:
+    """max_model_len: the most tokens (prompt + completion) one request may hold."""
     if not isinstance(body, dict):
         raise ApiError("request body must be a JSON object")
     model = _typed(body, "model", str, None, "a string")
     if model is None:
         raise ApiError("'model' is required", param="model")
     if model != served_model:
-        raise ApiError(f"The model '{model}' does not exist; this server serves '{served_model}'",
+        raise ApiError(f"The model '{_short(model)[1:-1]}' does not exist; this server serves '{served_model}'",
                        status=404, param="model", code="model_not_found")
     if _typed(body, "n", int, 1) != 1:
         raise ApiError("only n=1 is supported", param="n")
@@ -61,31 +131,41 @@ def parse_request(body, chat: bool, tokenizer, served_model: str, max_model_len:
     prompt_ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer)
     if not prompt_ids:
         raise ApiError("the prompt is empty", param="messages" if chat else "prompt")
+    n_in = len(prompt_ids)
+    if n_in >= max_model_len:
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                       f"{n_in} input tokens. Please reduce the length of the input.",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _typed(body, key, int, 16 if not chat else max(1, max_model_len - len(prompt_ids) - 1))
+    max_tokens = _typed(body, key, int, None, "an integer")
+    if max_tokens is None:   # unset: OpenAI's defaults, cut to what the context leaves
+        max_tokens = max_model_len - n_in if chat else min(16, max_model_len - n_in)
     if max_tokens < 1:
         raise ApiError(f"'{key}' must be at least 1, got {max_tokens}", param=key)
-    if len(prompt_ids) >= max_model_len:
-        raise ApiError(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                       f"{len(prompt_ids)} tokens", param="prompt", code="context_length_exceeded")
-    max_tokens = min(max_tokens, max_model_len - len(prompt_ids) - 1) or 1
+    if n_in + max_tokens > max_model_len:   # vLLM's wording and numbers
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                       f"{n_in + max_tokens} tokens ({n_in} in the messages, {max_tokens} in the completion). "
+                       f"Please reduce the length of the messages or completion.",
+                       param=key, code="context_length_exceeded")
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
                              or len(stop) > 4):
         raise ApiError("'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
-    temperature = float(_typed(body, "temperature", (int, float), 1.0, "a number"))
-    top_p = float(_typed(body, "top_p", (int, float), 1.0, "a number"))
+    temperature = _number(body, "temperature", 1.0)
+    top_p = _number(body, "top_p", 1.0)
     seed = _typed(body, "seed", int, None, "an integer")
     stream = _typed(body, "stream", bool, False, "a boolean")
     opts = _typed(body, "stream_options", dict, {}, "an object")
+    include_usage = _typed(opts, "include_usage", bool, False, "a boolean")
+    ignore_eos = _typed(body, "ignore_eos", bool, False, "a boolean")
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                  stop=tuple(stop or ()), ignore_eos=bool(_typed(body, "ignore_eos", bool, False)))
+                                  stop=tuple(stop or ()), ignore_eos=ignore_eos)
     except ValueError as e:
-        raise ApiError(str(e)) from None
-    return ParsedRequest(chat, prompt_ids, sampling, stream, bool(opts.get("include_usage")), model)
+        raise ApiError(str(e), param=str(e).split(" ", 1)[0]) from None
+    return ParsedRequest(chat, prompt_ids, sampling, stream, include_usage, model)
 
 
 def _completion_prompt(body: dict, tokenizer) -> list[int]:
@@ -97,7 +177,7 @@ def _completion_prompt(body: dict, tokenizer) -> list[int]:
     if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         bad = [t for t in p if not 0 <= t < tokenizer.vocab_size]
         if bad:
-            raise ApiError(f"token id {bad[0]} is outside the vocabulary", param="prompt")
+            raise ApiError(f"token id {_short(bad[0])} is outside the vocabulary", param="prompt")
         return list(p)
     raise ApiError("'prompt' must be a string, a list of token ids, or a one-element list of either",
                    param="prompt")
@@ -109,15 +189,30 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
         raise ApiError("'messages' must be a non-empty list", param="messages")
     clean = []
     for k, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
-            raise ApiError(f"messages[{k}] needs a valid 'role'", param="messages")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in CHAT_ROLES:
+            raise ApiError(f"messages[{k}] needs a 'role', one of {list(CHAT_ROLES)}", param="messages")
         c = m.get("content")
         if isinstance(c, list):
-            c = "".join(part.get("text", "") for part in c if isinstance(part, dict) and part.get("type") == "text")
+            c = "".join(_text_part(k, j, part) for j, part in enumerate(c))
         if not isinstance(c, str):
-            raise ApiError(f"messages[{k}].content must be a string", param="messages")
+            raise ApiError(f"messages[{k}].content must be a string or a list of text parts", param="messages")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": c})
     return tokenizer.apply_chat_template(clean)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _text_part(k: int, j: int, part) -> str:
+    where = f"messages[{k}].content[{j}]"
+    if not isinstance(part, dict):
+        raise ApiError(f"{where} must be an object", param="messages")
+    if part.get("type") != "text":
+        raise ApiError(f"{where}: only parts of type 'text' are supported, got {_short(part.get('type'))}",
+                       param="messages")
+    if not isinstance(part.get("text"), str):
+        raise ApiError(f"{where}.text must be a string, got {_short(part.get('text'))}", param="messages")
+    return part["text"]
 
 
 # -- responses -----------------------------------------------------------------

@@ -11,8 +11,11 @@ Lifecycle (the router is the only arbiter of which token the user sees):
       finishes (degraded, not lost). DIRECT (P->MD) whose transfer fails
       before a token -> failover: P sends the KV to an RLD, which decodes.
     filter: RLD finishing first (or predicted to) -> the WAN transfer is
-      cancelled (or never started); a skipped request's hot shared prefix
-      still goes to MD, to warm its cache (policy.warm_after_skip).
+      cancelled (or never started) for the filter's class only; a skipped
+      request's hot shared prefix still goes to MD, to warm its cache
+      (policy.warm_after_skip). Any other relayed request that RLD finishes
+      before MD holds its KV keeps its WAN copy landing (policy.keep_wan_copy):
+      MD's request is dropped, its prefix cache still learns the context.
 Every decision is taken by pdd.policy objects; this module only moves bytes.
 """
 
@@ -24,10 +27,9 @@ import time
 from typing import AsyncIterator
 
 from pdd.policy import (
-    Abandon, Complete, HandoffSession, Pipeline, RequestFacts, SendBatch, choose_handoff_mode,
-    choose_pipeline, plan_warm, should_cancel_wan,
+    Abandon, Complete, HandoffSession, Pipeline, PipelineDecision, RequestFacts, SendBatch, cancel_wan,
+    choose_handoff_mode, choose_pipeline, convert_to_relay_only, keep_wan_copy, note_decision, plan_warm,
 )
-from pdd.policy.pipeline import rld_tpot_s
 from pdd.server.cluster import Cluster, Member
 from pdd.server.flows import (
     FlowError, RequestContext, Streams, control, decode_body, finish, note_prefill, note_transfer,
@@ -52,10 +54,13 @@ class PddRun:
         self.transfers: dict[str, bool | None] = {}   # target -> ok (None: in flight)
         self.md_ready_s: float | None = None
         self.wan_started_s: float | None = None
-        self.est_wan_s = 0.0
+        self.decision: PipelineDecision | None = None
         self.first_token: int | None = None
         self.out: list[int] = []                 # tokens committed by the last event, to yield
         self.warm: tuple[Member, int] | None = None   # (MD, blocks) of a shared prefix to push
+        # The MD whose incoming copy still lands after the user's answer (a warm
+        # push, or a relayed request's copy kept for MD's prefix cache).
+        self.landing_after: Member | None = None
 
     # -- setup ---------------------------------------------------------------
     async def decide(self) -> Pipeline:
@@ -65,14 +70,15 @@ class PddRun:
         names = [m.spec.name for m in c.members.values()
                  if m.view.role.value in ("prefill", "main", "relay")]
         matched = await c.matched_tokens(names, ctx.prompt_ids)
-        d = choose_pipeline(facts, c.view(matched, time.monotonic()), c.policy)
+        d = choose_pipeline(facts, c.view(matched, time.monotonic()), c.policy, c.relay_budgets)
+        note_decision(c.relay_budgets, d, facts)
+        self.decision = d
         ctx.trace.pipeline, ctx.trace.pipeline_reason = d.pipeline.value, d.reason
         ctx.trace.event("pipeline", pipeline=d.pipeline.value, reason=d.reason,
                         missing_bytes=d.missing_bytes, est_wan_s=d.est_wan_s)
         self.p = c.members[d.p_id]
         self.rld = c.members[d.rld_id] if d.rld_id and d.pipeline != Pipeline.DIRECT else None
         self.md = c.members[d.md_id] if d.md_id and d.start_wan else None
-        self.est_wan_s = d.est_wan_s
         self.owner = "md" if d.pipeline == Pipeline.DIRECT else "rld"
         self.plan_warm(d, matched)
         return d.pipeline
@@ -84,6 +90,7 @@ class PddRun:
         tokens, reuses = plan_warm(d, matched, key, self.cluster.prefix_reuses, bs, self.cluster.policy)
         if tokens:
             self.warm = (self.cluster.members[d.md_id], tokens // bs)
+            self.landing_after = self.warm[0]
             ctx.trace.event("warm_md", tokens=tokens, reuses=reuses)
 
     def start(self, pipeline: Pipeline) -> None:
@@ -137,11 +144,11 @@ class PddRun:
                 self.streams.close_all()
 
     def warming(self) -> bool:
-        return (self.warm is not None and self.transfers.get(self.warm[0].spec.name) is None
+        return (self.landing_after is not None and self.transfers.get(self.landing_after.spec.name) is None
                 and "p" in self.streams.tasks and self.first_token is not None)
 
     async def finish_warm(self) -> None:
-        name = self.warm[0].spec.name
+        name = self.landing_after.spec.name
         try:
             async with asyncio.timeout(self.cluster.spec.kv_deadline_s):
                 while self.transfers.get(name) is None:
@@ -210,18 +217,23 @@ class PddRun:
             if self.session is not None and not self.session.state.terminal:
                 self.session.on_rld_finished(time.monotonic(), len(ctx.tokens))
             if self.md_live:
-                await self.drop_md("request finished on RLD first")
+                if keep_wan_copy(self.decision) and self.transfers.get(self.md.spec.name) is None:
+                    await self.park_md()
+                else:
+                    await self.drop_md("request finished on RLD first")
             finish(ctx, ev)
 
     async def maybe_cancel_wan(self) -> None:
         """The live filter: RLD will finish before the WAN copy lands."""
         if not self.md_live or self.session is not None or self.wan_started_s is None:
             return
+        c, now = self.cluster, time.monotonic()
         left = self.ctx.sampling.max_tokens - len(self.ctx.tokens)
-        remaining = max(0.0, self.est_wan_s - (time.monotonic() - self.wan_started_s))
-        tpot = rld_tpot_s(self.cluster._view(self.rld), self.cluster.policy)
-        if should_cancel_wan(time.monotonic(), left, remaining, tpot, self.cluster.policy):
-            self.ctx.trace.event("filter_cancel", tokens_left=left, remaining_wan_s=remaining)
+        if cancel_wan(self.decision, c.relay_budgets, now, now - self.wan_started_s, left,
+                      c._view(self.rld), c.policy):
+            convert_to_relay_only(c.relay_budgets)
+            self.ctx.trace.event("filter_cancel", tokens_left=left,
+                                 remaining_wan_s=max(0.0, self.decision.est_wan_s - (now - self.wan_started_s)))
             await self.drop_md("abnormal traffic: RLD finishes first")
 
     async def drop_md(self, why: str) -> None:
@@ -234,6 +246,16 @@ class PddRun:
                                                           "reason": why})
         self.streams.close("md")
         await self.post(self.md, "/internal/abort", {"request_id": self.ctx.request_id})
+
+    async def park_md(self) -> None:
+        """RLD finished first: drop MD's request but let its KV copy land, so
+        MD's prefix cache learns the context P holds (the next turn of the
+        conversation then lacks only its new tokens on MD as on P)."""
+        self.md_live = False
+        self.landing_after = self.md
+        self.ctx.trace.event("md_parked", reason="request finished on RLD first; its KV still lands on MD")
+        self.streams.close("md")
+        await self.post(self.md, "/internal/abort", {"request_id": self.ctx.request_id, "keep_kv": True})
 
     # -- MD ------------------------------------------------------------------------
     def new_session(self) -> SendBatch:

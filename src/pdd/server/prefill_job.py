@@ -105,7 +105,7 @@ class PrefillJob:
             "event": "transfer", "target": name, "link": link, "ok": st.ok, "error": st.error or None,
             "payload_bytes": st.payload_bytes, "bytes_sent": st.bytes_sent,
             "blocks_sent": st.num_blocks_sent, "blocks_skipped": st.num_blocks_skipped,
-            "elapsed_s": st.elapsed_s, "ts": time.time(),
+            "elapsed_s": st.elapsed_s, "handshake_s": st.handshake_s, "ts": time.time(),
         })
 
     def cancel_transfer(self, name: str, reason: str) -> None:

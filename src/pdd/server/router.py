@@ -4,6 +4,11 @@ POST /v1/completions, /v1/chat/completions (SSE streaming or not),
 GET /v1/models, /v1/requests/{id}/trace, /health, /metrics.
 It tokenizes, picks the flow of the deployment's mode, turns the flow's
 tokens into text (cut at stop strings) and keeps a trace per request.
+
+Every answer that is not a success is OpenAI-style JSON: bad input is a 4xx
+(ApiError) and is refused before any instance is asked; a missing or wrong
+API key (when keys are configured) a 401. /health is 503 while some role has
+no live instance, so a load balancer can take the router out.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import aiohttp
 from aiohttp import web
 
 from pdd.deploy.spec import DeploymentSpec, Role
+from pdd.keys import DeploymentKeys
 from pdd.policy import PolicyConfig
+from pdd.server.api_keys import ApiKeys
 from pdd.server.cluster import Cluster
 from pdd.server.flows import FlowError, RequestContext, colocated_flow, new_request_id, pd_flow
-from pdd.server.openai_api import ApiError, StopTrimmer, chunk, full, parse_request, usage
+from pdd.server.openai_api import ApiError, StopTrimmer, chunk, decode_body, full, parse_request, usage
 from pdd.server.pdd_flow import pdd_flow
 from pdd.server.router_metrics import RouterMetrics
 from pdd.server.trace import RequestTrace, TraceStore
@@ -32,8 +39,9 @@ log = logging.getLogger(__name__)
 
 class RouterServer:
     def __init__(self, spec: DeploymentSpec, secret: bytes, tokenizer, model_cfg, served_model: str,
-                 internal_tls: dict | None = None):
-        self.spec, self.secret, self.tokenizer, self.model_cfg = spec, secret, tokenizer, model_cfg
+                 api_keys: ApiKeys | None = None, internal_tls: dict | None = None):
+        self.spec, self.tokenizer, self.model_cfg = spec, tokenizer, model_cfg
+        self.keys = DeploymentKeys.derive(secret)   # per purpose; the master secret is not kept
         self.internal_tls = internal_tls or {}     # base URL -> TlsPeer (pdd.transport.tls.router_peers)
         self.served_model = served_model
         self.mode = spec.mode
@@ -43,11 +51,15 @@ class RouterServer:
         self.kv_bytes_per_token = model_cfg.kv_bytes_per_token(4 if engines[0].dtype == "float32" else 2)
         self.max_model_len = min(e.max_model_len or model_cfg.max_position_embeddings for e in engines)
         self.max_model_len = min(self.max_model_len, model_cfg.max_position_embeddings)
-        self.traces = TraceStore()
+        # A request whose prompt + completion cannot fit an instance's whole
+        # KV pool would fail there (a 502); refuse it here as a 400 instead.
+        self.max_model_len = min([self.max_model_len] + [e.num_blocks * e.block_size for e in engines])
+        self.api_keys = api_keys or ApiKeys()
+        self.traces = TraceStore(spec.router_max_traces)
         self.metrics = RouterMetrics(self.mode)
         self.cluster: Cluster | None = None
         self.client: InternalClient | None = None
-        self.app = web.Application(client_max_size=32 << 20)
+        self.app = web.Application(client_max_size=32 << 20, middlewares=[self._guard])
         r = self.app.router
         r.add_post("/v1/completions", lambda req: self.completions(req, chat=False))
         r.add_post("/v1/chat/completions", lambda req: self.completions(req, chat=True))
@@ -60,7 +72,8 @@ class RouterServer:
 
     async def _startup(self, app) -> None:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
-        self.client = InternalClient(self.secret, session, tls=self.internal_tls)
+        self.client = InternalClient.for_deployment(
+            self.spec, self.keys.internal_http, session, self.spec.router_datacenter, tls=self.internal_tls)
         self.cluster = Cluster(self.spec, self.client, self.policy)
         await self.cluster.refresh()
         self._poller = asyncio.get_running_loop().create_task(self.cluster.poll_forever())
@@ -69,12 +82,32 @@ class RouterServer:
         self._poller.cancel()
         await self.client.session.close()
 
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """API keys first; then every error, aiohttp's own included, as OpenAI-style JSON."""
+        if not self.api_keys.allows(request.path, request.headers.get("Authorization")):
+            return self._error(ApiError("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                        status=401, code="invalid_api_key"),
+                               headers={"WWW-Authenticate": "Bearer"})
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return self._error(e)
+        except web.HTTPException as e:   # unknown path, wrong method, body over the size limit
+            if e.status < 400:
+                raise
+            return self._error(ApiError(f"{e.reason}: {request.method} {request.path[:200]}", e.status,
+                                        type_="invalid_request_error" if e.status < 500 else "server_error"),
+                               headers={k: v for k, v in e.headers.items() if k == "Allow"})
+        except Exception as e:   # a bug: still JSON, and logged
+            log.exception("%s %s failed", request.method, request.path[:200])
+            return self._error(ApiError(f"internal error: {e!r}", 500, type_="server_error"))
+
     # -- simple endpoints ---------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         await self.cluster.refresh()
-        down = [m.spec.name for m in self.cluster.members.values() if not m.healthy]
-        return web.json_response({"status": "degraded" if down else "ok", "mode": self.mode, "down": down},
-                                 status=200)
+        body, status = health_report(self.cluster, self.mode)
+        return web.json_response(body, status=status)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -100,19 +133,26 @@ class RouterServer:
         d = self._least_loaded(Role.DECODE)
         return pd_flow(ctx, self.cluster, self.client, p, d)
 
+    async def _check_serviceable(self) -> None:
+        """A clear 503 instead of a failed dispatch when a role the flow needs
+        has no live instance. The poll's view may be up to a poll old, so a
+        fresh look decides (an instance just restarted is taken at once)."""
+        if not unserviceable_roles(self.cluster, self.mode):
+            return
+        await self.cluster.refresh()
+        missing = unserviceable_roles(self.cluster, self.mode)
+        if missing:
+            raise ApiError(f"no live {' or '.join(missing)} instance: the deployment cannot serve now, retry later",
+                           status=503, type_="server_error", code="service_unavailable")
+
     def _least_loaded(self, role: Role):
         ms = [m for m in self.cluster.role(role) if m.healthy] or self.cluster.role(role)
         return min(ms, key=lambda m: (m.view.num_running + m.view.num_waiting + m.in_flight, m.spec.name))
 
     async def completions(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        try:
-            body = json.loads(await request.text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return self._error(ApiError(f"request body is not valid JSON: {e}"))
-        try:
-            parsed = parse_request(body, chat, self.tokenizer, self.served_model, self.max_model_len)
-        except ApiError as e:
-            return self._error(e)
+        body = decode_body(await request.read())   # ApiError -> 400 in _guard
+        parsed = parse_request(body, chat, self.tokenizer, self.served_model, self.max_model_len)
+        await self._check_serviceable()
         rid = new_request_id()
         trace = RequestTrace(rid, self.mode, len(parsed.prompt_ids))
         self.traces.add(trace)
@@ -185,6 +225,27 @@ class RouterServer:
                 t.finish_reason = "error"
             self.metrics.observe(t)
 
-    def _error(self, e: ApiError) -> web.Response:
+    def _error(self, e: ApiError, headers: dict | None = None) -> web.Response:
         self.metrics.rejected.inc()
-        return web.json_response(e.body(), status=e.status)
+        return web.json_response(e.body(), status=e.status, headers=headers)
+
+
+def unserviceable_roles(cluster: Cluster, mode: str) -> list[str]:
+    """Roles without which no request can be served: P and either decoder
+    in PDD (RLD and MD stand in for each other), every role elsewhere."""
+    dead = {r for r in {m.spec.role for m in cluster.members.values()}
+            if not any(m.healthy for m in cluster.role(r))}
+    if mode == "pdd" and not {Role.RELAY, Role.MAIN} <= dead:
+        dead -= {Role.RELAY, Role.MAIN}
+    return sorted(r.value for r in dead)
+
+
+def health_report(cluster: Cluster, mode: str) -> tuple[dict, int]:
+    """(body, status): 503 names the roles with no live instance; 200 lists
+    any instance that is down while its role still has another."""
+    down = sorted(m.spec.name for m in cluster.members.values() if not m.healthy)
+    roles = sorted({m.spec.role for m in cluster.members.values()}, key=lambda r: r.value)
+    dead_roles = [r.value for r in roles if not any(m.healthy for m in cluster.role(r))]
+    status = "unavailable" if dead_roles else "degraded" if down else "ok"
+    body = {"status": status, "mode": mode, "down": down, "roles_without_live_instance": dead_roles}
+    return body, 503 if dead_roles else 200

@@ -1,7 +1,8 @@
 """Per-request trace kept by the router: timestamps and facts for benchmarks.
 
 Served at GET /v1/requests/{id}/trace and summarised as Prometheus histograms.
-Bounded: the oldest traces are dropped past `max_traces`.
+Bounded in memory: past `max_traces` (the deployment's `[router] max_traces`)
+the least recently added or read trace is dropped.
 """
 
 from __future__ import annotations
@@ -56,7 +57,12 @@ class RequestTrace:
 
 
 class TraceStore:
-    def __init__(self, max_traces: int = 20_000):
+    """LRU by count. A trace holds a float per generated token (a few KB for
+    a typical request), so the count bounds the router's memory."""
+
+    def __init__(self, max_traces: int = 10_000):
+        if max_traces < 1:
+            raise ValueError(f"max_traces must be >= 1, got {max_traces}")
         self.max_traces = max_traces
         self._traces: OrderedDict[str, RequestTrace] = OrderedDict()
 
@@ -66,4 +72,10 @@ class TraceStore:
             self._traces.popitem(last=False)
 
     def get(self, request_id: str) -> RequestTrace | None:
-        return self._traces.get(request_id)
+        t = self._traces.get(request_id)
+        if t is not None:
+            self._traces.move_to_end(request_id)
+        return t
+
+    def __len__(self) -> int:
+        return len(self._traces)

@@ -11,6 +11,8 @@
         replay a bench run, write results/quick/validation.json, print errors
     pdd sim report --out results/sim-report [--quick]
         the report's figures (PNG) and report.md
+    pdd sim sweep -c ... --preset wan-bound --rates 25,50,100,200,400 [--real RUN ...]
+        TTFT p50/p90 of the modes against the WAN rate (pdd.sim.wan_sweep)
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ from pdd.bench import agentic
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.splitlines()[0]
-    p.add_argument("command", nargs="?", choices=["report"], default=None,
-                   help="report: draw the report's figures from simulator sweeps")
+    p.add_argument("command", nargs="?", choices=["report", "sweep"], default=None,
+                   help="report: draw the report's figures from simulator sweeps; "
+                        "sweep: TTFT against the WAN rate (simulated, plus --real bench runs)")
+    p.add_argument("--rates", default="25,50,100,200,400", help="sweep: WAN rates in Mbit/s")
+    p.add_argument("--real", type=Path, nargs="+", default=None, metavar="RUN",
+                   help="sweep: bench run folders to mark on the same axes")
     p.add_argument("-c", "--config", action="append", type=Path, default=[],
                    help="scenario TOML or runtime deployment TOML (repeat for modes side by side)")
     p.add_argument("--out", type=Path, default=None,
@@ -78,6 +84,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--max-input-tokens", type=int, default=None)
     w.add_argument("--max-output-tokens", type=int, default=None)
     w.add_argument("--start-index", type=int, default=0)
+    w.add_argument("--wan-mbps", type=float, default=None, metavar="MBPS",
+                   help="runtime files: override every deployment's WAN line rate")
 
 
 def _options(args):
@@ -106,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
         from pdd.sim.report import run_report
 
         return run_report(args.out or Path("results/sim-report"), quick=args.quick)
+    if args.command == "sweep":
+        from pdd.sim.wan_sweep import run_sweep
+
+        return run_sweep(args)
     if args.calibrate is not None:
         return _run_calibrate(args)
     if args.validate is not None:
@@ -164,7 +176,9 @@ def _run_runtime(args) -> int:
         return 2
     wl = build_workload(args)
     sla = Sla(args.sla_ttft or DEFAULT_SLA_TTFT_S, args.sla_tpot or DEFAULT_SLA_TPOT_S)
-    modes = [RuntimeMode(c.stem, str(c)) for c in args.config]
+    from pdd.deploy.spec import link_overrides
+
+    modes = [RuntimeMode(c.stem, str(c), link_overrides(args.wan_mbps)) for c in args.config]
     summary = simulate_deployments(modes, wl, sla, args.out, _calibration(args), _options(args),
                                    plots=not args.no_plots)
     report.print_table(summary)

@@ -40,8 +40,8 @@ import dataclasses
 import zlib
 
 from pdd.policy import (
-    ClusterView, LinkEstimator, NoRouteError, Pipeline, PrefixReuseCounter, RequestFacts, Role,
-    choose_pipeline, pick_instance, plan_warm,
+    ClusterView, LinkEstimator, NoRouteError, Pipeline, PrefixReuseCounter, RelayBudgets, RequestFacts,
+    Role, choose_pipeline, note_decision, pick_instance, plan_warm,
 )
 from pdd.sim.cost_model import CostModel
 from pdd.sim.decoders import DecodersMixin
@@ -85,7 +85,7 @@ class Cluster(TransfersMixin, DecodersMixin):
                     iid = f"{pool.role.value}-{pool.datacenter}-{pool.hardware}-{i:03d}"
                 self.instances[iid] = SimInstance(
                     iid, pool.role, pool.datacenter, cost, pool.max_batch, pool.token_budget,
-                    self.block_size, blocks, cache, macro, pool.chunk_packing == "single",
+                    self.block_size, blocks, cache, macro, pool.chunk_packing,
                     jitter=pool.step_jitter, seed=zlib.crc32(f"{mode.seed}/{iid}".encode()),
                     row_factors=pool.row_factors)
                 if pool.core in shared:
@@ -106,9 +106,13 @@ class Cluster(TransfersMixin, DecodersMixin):
         self.md_link = self._link_name(p_dc, md_dc) if p_dc and md_dc else None
         self.p_link = f"rdma-{p_dc}" if p_dc else None      # P -> RLD
         self.prefix_reuses = PrefixReuseCounter()
+        self.relay_budgets = RelayBudgets(self.cfg)
         # flow id -> (request, "rld" | "md", destination id, start time, bytes, link name)
         self.flows: dict[str, tuple[SimRequest, str, str, float, int, str]] = {}
         self.flow_steps: dict[str, int] = {}      # flow id -> receiver's step count at its start
+        self.flow_handshake: dict[str, float] = {}   # flow id -> BEGIN..HAVE seconds
+        self.flow_waiters: dict[str, list] = {}      # flow id -> callbacks when it ends (landed or cancelled)
+        self.flow_begun: set[str] = set()            # flows whose BEGIN the receiver has taken
         self.pending: dict[str, list] = {iid: [] for iid in self.instances}
         self.requests: list[SimRequest] = []
         self.loop = EventLoop()
@@ -230,9 +234,11 @@ class Cluster(TransfersMixin, DecodersMixin):
         view = ClusterView(tuple(i.view() for i in insts), matched, wan, now,
                            local=local.estimate(now) if local is not None else None)
         try:
-            d = choose_pipeline(self._facts(req), view, self.cfg)
+            facts = self._facts(req)
+            d = choose_pipeline(facts, view, self.cfg, self.relay_budgets)
         except NoRouteError as e:
             return self._finish(req, now, error=str(e))
+        note_decision(self.relay_budgets, d, facts)
         req.decision = d
         req.pipeline = ("relay_filtered" if d.pipeline is Pipeline.RELAY_ONLY and d.reason != "wan down"
                         else d.pipeline.value)

@@ -9,7 +9,7 @@ the receiving engine at a step boundary, as the servers' engine commands do.
 from __future__ import annotations
 
 from pdd.policy import Complete, HandoffSession, HandoffState, Pipeline, SendBatch
-from pdd.policy import choose_handoff_mode, should_cancel_wan
+from pdd.policy import cancel_wan, choose_handoff_mode, convert_to_relay_only, keep_wan_copy
 from pdd.sim.instance import Job, JobKind, Seq, SimInstance
 from pdd.sim.loop import Event
 from pdd.sim.request import SimRequest
@@ -40,9 +40,9 @@ class DecodersMixin:
         """The live filter, as the router runs it while RLD streams eager tokens."""
         if req.session is not None or req.done_s is not None or req.wan_flow not in self.flows:
             return []
-        remaining = max(0.0, req.decision.est_wan_s - (now - req.prefill_done_s))
-        tpot = rld.step_time_s or self.cfg.rld_tpot_prior_s
-        if should_cancel_wan(now, req.spec.max_tokens - req.num_generated, remaining, tpot, self.cfg):
+        if cancel_wan(req.decision, self.relay_budgets, now, now - req.prefill_done_s,
+                      req.spec.max_tokens - req.num_generated, rld.view(), self.cfg):
+            convert_to_relay_only(self.relay_budgets)
             req.pipeline = "relay_cancelled"
             return self._cancel(req, now)
         return []
@@ -167,7 +167,8 @@ class DecodersMixin:
         sess = req.session
         if sess is not None and sess.state in (HandoffState.AWAITING_MD, HandoffState.EXTENDING):
             sess.on_rld_finished(now, req.num_generated)
-        evs = self._cancel(req, now)
+        # The WAN copy keeps landing into MD's cache unless the filter's class.
+        evs = [] if keep_wan_copy(req.decision) else self._cancel(req, now)
         if req.md_seq is not None:
             md = self.instances[req.decision.md_id]
             md.remove_seq(req.md_seq)

@@ -22,11 +22,12 @@ core pinning and price; the links' bandwidth, latency, jitter and price; the
   capped at the KV rate P measured in the bench run (metrics/*.prom): the
   sender, receiver and relay share the two cores with the engines, and a
   200 Mbit/s line carried ~10-13 MB/s per transfer in our runs;
-  the server's engine calls wait for step boundaries: a busy receiver puts
-  the arriving blocks into its pool in batches, one engine command per step,
-  so the KV is usable only after the step under way when the last byte
-  lands (`import_wait="batch"`; "block": one block per step, as the server
-  did before batching; "none"); optionally (`manifest_after_step`, as the
+  the server's KV receiver answers HAVE and puts arriving blocks into its
+  pool under the engine's pool lock, during a step, so the KV is usable when
+  its last byte lands; only the decode call's submit waits for the step
+  under way (`import_wait="submit"`; "batch": one import command per step
+  boundary, as the server did before the pool lock; "block": one block per
+  step; "none"); optionally (`manifest_after_step`, as the
   server did before) P starts sending only after its next step;
 * serving overheads around the engines (`ServingOverheads`): the router's
   own latency, each streamed token's trip to the user, prefix-match round
@@ -57,7 +58,7 @@ class RuntimeOptions:
     request_s: float = 0.010            # router: parse, tokenize, open the streams
     token_s: float = 0.003              # instance NDJSON -> router SSE -> client, per token
     manifest_after_step: bool = False   # P reads the KV manifest only after its next step (the server did until it read it at once)
-    import_wait: str = "batch"          # none | batch (as the server: lands at the receiver's next step boundary) | block
+    import_wait: str = "submit"         # none | submit (as the server: only the decode submit waits a step) | batch | block
     measured_wan_rate: bool = False     # cap one WAN transfer at the KV rate P measured (tried, off: see docs/SIMULATOR.md)
     step_jitter: bool = True            # draw step times about the fit with the calibration's measured scatter
     seed: int = 0                       # of that jitter
@@ -114,7 +115,7 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
             datacenter=inst.datacenter, max_batch=e.max_num_seqs,
             token_budget=e.max_num_batched_tokens, prefix_cache=e.enable_prefix_cache,
             name=inst.name, kv_blocks=e.num_blocks, price_per_hour=inst.cost_per_hour,
-            core=inst.cpu, **coef))
+            core=inst.cpu, chunk_packing="short_first", **coef))
     block_sizes = {i.engine.block_size for i in spec.instances}
     if len(block_sizes) != 1:
         raise ValueError(f"{spec.name}: instances disagree on engine.block_size {sorted(block_sizes)}")

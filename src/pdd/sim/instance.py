@@ -1,7 +1,8 @@
 """One simulated serving instance: continuous batching, chunked prefill.
 
 Each step carries one token for every decoding sequence plus prefill /
-extend chunks, first come first served, up to `token_budget` tokens; a job
+extend chunks, first come first served (or, `short_first`, shortest
+remaining first as our engine's scheduler), up to `token_budget` tokens; a job
 whose remainder is smaller than the budget left yields a small *tail chunk*,
 which is where the report's bathtub valleys come from; with packing the tail
 shares its step with the next job's head, with `single_chunk` it runs alone.
@@ -87,7 +88,7 @@ class StepOutcome:
 class SimInstance:
     def __init__(self, instance_id: str, role: Role, datacenter: str, cost: CostModel,
                  max_batch: int, token_budget: int, block_size: int, kv_blocks: int,
-                 cache: bool, max_macro_steps: int = 32, single_chunk: bool = False,
+                 cache: bool, max_macro_steps: int = 32, packing: str = "packed",
                  deliver_s: float = 0.0, jitter: float = 0.0, seed: int = 0,
                  row_factors: tuple[float, ...] = ()) -> None:
         if kv_blocks <= 0:
@@ -100,7 +101,8 @@ class SimInstance:
         self.used_blocks = 0
         self.cache = PrefixCache(kv_blocks) if cache else None
         self.max_macro_steps = max_macro_steps
-        self.single_chunk = single_chunk     # one prefill chunk per step: tail chunks run alone
+        self.single_chunk = packing == "single"     # one prefill chunk per step: tail chunks run alone
+        self.short_first = packing == "short_first"   # our engine's order (pdd.engine.scheduler)
         self.deliver_s = deliver_s           # instance -> user latency of a streamed token
         self.jobs: deque[Job] = deque()
         self.waiting: deque[Seq] = deque()
@@ -211,11 +213,23 @@ class SimInstance:
         chunks: list[tuple[Job, int]] = []
         pairs = 0.0
         ctx = 0.0
-        for job in self.jobs:
+        admitting, completing = True, False
+        # FCFS; or shortest remaining first, as our engine's scheduler (ties:
+        # arrival), where a step that completes prompts carries no chunk of a
+        # longer one.
+        jobs = sorted(self.jobs, key=lambda j: j.num_tokens - j.done) if self.short_first else self.jobs
+        for job in jobs:
             if budget <= 0:
                 break
-            if not job.started and not self._start_job(job):
-                break   # head-of-line: FCFS, no overtaking
+            if self.short_first:
+                if completing and job.num_tokens - job.done > budget:
+                    break
+                completing = completing or job.num_tokens - job.done <= budget
+            if not job.started and (not admitting or not self._start_job(job)):
+                if not self.short_first:
+                    break   # head-of-line: FCFS, no overtaking
+                admitting = False   # no room: later arrivals do not overtake it
+                continue
             c = min(job.num_tokens - job.done, budget)
             start = job.ctx_start + job.done
             chunks.append((job, c))

@@ -41,7 +41,9 @@ class PoolSpec:
     per_seq_s: float = 20e-6
     # "packed": a step fills its token budget with chunks of several jobs (a
     # job's tail chunk rides with the next job's head); "single": one prefill
-    # chunk per step, so a tail chunk runs alone (the report's bathtub valleys).
+    # chunk per step, so a tail chunk runs alone (the report's bathtub valleys);
+    # "short_first": our engine's scheduler (shortest remaining prompt first,
+    # a step that completes prompts carries no chunk of a longer one).
     chunk_packing: str = "packed"
     time_scale: float = 1.0               # stretches every step (a CPU shared with foreign load)
     # Set by runtime deployment files (pdd.sim.deployment), rarely by hand:
@@ -62,8 +64,9 @@ class PoolSpec:
         get_profile(self.hardware)
         if self.chips < 1 or self.count < 0 or self.max_batch < 1 or self.token_budget < 1:
             raise ValueError(f"pool {self.role.value}: chips, max_batch, token_budget >= 1, count >= 0")
-        if self.chunk_packing not in ("packed", "single"):
-            raise ValueError(f"pool {self.role.value}: chunk_packing must be 'packed' or 'single'")
+        if self.chunk_packing not in ("packed", "single", "short_first"):
+            raise ValueError(f"pool {self.role.value}: chunk_packing must be 'packed', 'single' "
+                             "or 'short_first'")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ValueError(f"pool {self.role.value}: kv_blocks must be >= 1")
         if not 0 <= self.step_jitter < 1:
@@ -113,16 +116,18 @@ class ServingOverheads:
     match_round_trip: bool = False
     # The server runs engine calls as commands between two engine steps:
     # P reads a prompt's KV manifest (and starts sending) after its next step;
-    # arriving KV blocks go into a busy receiver's pool between its steps:
-    # "batch" (all that arrived, one command per step: the KV is usable after
-    # the step under way when the last byte lands), "block" (one block per
-    # step), "none".
+    # "submit": KV import runs under the pool lock during steps, only the
+    # decode submit waits for a boundary (the server today); "batch": arriving
+    # blocks go into a busy receiver's pool between its steps (all that
+    # arrived, one command per step: the KV is usable after the step under
+    # way when the last byte lands; HAVE waits a boundary too); "block" (one
+    # block per step); "none".
     manifest_after_step: bool = False
     import_wait: str = "none"
 
     def __post_init__(self) -> None:
-        if self.import_wait not in ("none", "batch", "block"):
-            raise ValueError(f"import_wait must be none, batch or block, got {self.import_wait!r}")
+        if self.import_wait not in ("none", "submit", "batch", "block"):
+            raise ValueError(f"import_wait must be none, submit, batch or block, got {self.import_wait!r}")
 
 
 @dataclass(frozen=True)

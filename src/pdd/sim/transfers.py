@@ -2,20 +2,22 @@
 
 A mixin of `pdd.sim.cluster.Cluster` (it uses the cluster's instances, links,
 estimators and event loop). A flow joins its link after one handshake RTT
-(BEGIN out, HAVE back; with `import_wait`, a busy receiver answers HAVE only
-at its next step boundary, since it looks its prefix cache up on its engine
-thread). What crosses is what the receiver lacks when it answers HAVE, as
-the real receiver decides: blocks that landed for another request since
-the routing decision are not sent again. When it lands the receiver holds
-the whole KV (with `import_wait`,
-only after the receiver's next step boundary, as a busy server imports
-blocks between steps), the link's estimator is fed the transfer as the
-router's is fed the real ones, and P frees the prompt's blocks once every
-transfer out of it has ended.
+(BEGIN out, HAVE back; with `import_wait` "batch" or "block", a busy
+receiver answers HAVE only at its next step boundary, as the server did
+when it looked its prefix cache up on its engine thread). What crosses is
+what the receiver lacks when it answers HAVE, as the real receiver decides:
+blocks that landed for another request since the routing decision are not
+sent again. When it lands the receiver holds the whole KV (with
+`import_wait` "batch" or "block", only after the receiver's next step
+boundary, as a busy server imported blocks between steps before the pool
+lock), the link's estimator is fed the transfer as the router's is fed the
+real ones, and P frees the prompt's blocks once every transfer out of it
+has ended.
 """
 
 from __future__ import annotations
 
+from pdd.policy import wait_for_siblings
 from pdd.sim.instance import SimInstance
 from pdd.sim.loop import Event, EventKind
 from pdd.sim.request import SimRequest
@@ -39,24 +41,68 @@ class TransfersMixin:
         def join(t: float) -> list[Event]:
             if flow_id not in self.flows:
                 return []       # cancelled during the handshake
+            self.flow_handshake[flow_id] = t - now
             nb = self._lacking_bytes(req, dst, blocks)     # the receiver's HAVE, as of now
             entry = self.flows[flow_id]
             self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
             nxt = link.add(t, flow_id, nb)
             return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
 
-        if self.import_wait == "none":
-            return [self._later(link.rtt_s, name, join)]
-
         def have(t: float) -> list[Event]:     # BEGIN reached the receiver
             if flow_id not in self.flows:
                 return []
             back = lambda t2: [self._later(link.rtt_s / 2, name, join)]
-            if not dst.busy:
+            siblings = self._siblings_bringing(flow_id, req, dst, blocks)
+            if siblings:
+                # As the receiver: HAVE only once those transfers have ended.
+                left = [len(siblings)]
+
+                def one_ended(t2: float) -> list[Event]:
+                    left[0] -= 1
+                    return back(t2) if left[0] == 0 and flow_id in self.flows else []
+                for sib in siblings:
+                    self.flow_waiters.setdefault(sib, []).append(one_ended)
+                return []
+            self.flow_begun.add(flow_id)       # its blocks now count as on their way
+            if self.import_wait not in ("batch", "block") or not dst.busy:
                 return back(t)
             dst.wait_boundaries(1, back)
             return self._kick(dst, t)          # busy: a macro step ends at the next boundary
         return [self._later(link.rtt_s / 2, name, have)]
+
+    def _flow_blocks(self, req: SimRequest, kind: str, blocks: int | None = None) -> list:
+        ids = req.spec.block_ids
+        if kind == "warm":
+            return list(ids[: req.warm_blocks])
+        return list(ids if blocks is None else ids[:blocks])
+
+    def _siblings_bringing(self, flow_id: str, req: SimRequest, dst: SimInstance,
+                           blocks: int | None) -> list[str]:
+        """Flows into `dst` whose BEGIN it has taken that carry blocks this one
+        lacks, when they carry enough of them to wait for
+        (`pdd.policy.wait_for_siblings`)."""
+        if dst.cache is None or not self.cfg.enable_drc:
+            return []
+        held = dst.cache.match(req.spec.block_ids)
+        wanted = set(self._flow_blocks(req, "md", blocks)[held:])
+        lacking = len(wanted)
+        coming, siblings = 0, []
+        for fid, (other, kind, dst_id, _, _, _) in self.flows.items():
+            if fid == flow_id or dst_id != dst.instance_id or fid not in self.flow_begun:
+                continue
+            mine = wanted & set(self._flow_blocks(other, kind))
+            if mine:
+                coming += len(mine)
+                wanted -= mine
+                siblings.append(fid)
+        return siblings if wait_for_siblings(lacking, coming, self.cfg) else []
+
+    def _flow_ended(self, flow_id: str, now: float) -> list[Event]:
+        self.flow_begun.discard(flow_id)
+        evs: list[Event] = []
+        for fn in self.flow_waiters.pop(flow_id, []):
+            evs += fn(now)
+        return evs
 
     def _lacking_bytes(self, req: SimRequest, dst: SimInstance, blocks: int | None) -> int:
         """KV bytes of the prompt (or of its first `blocks` blocks) `dst` does not hold."""
@@ -73,7 +119,7 @@ class TransfersMixin:
             dst = self.instances[self.flows[flow.flow_id][2]]
             landed = self._landed(flow.flow_id, ev.key)
             started = self.flow_steps.get(flow.flow_id, dst.num_steps)
-            if self.import_wait != "none" and dst.busy:
+            if self.import_wait in ("batch", "block") and dst.busy:
                 if self.import_wait == "batch":
                     # The last batch goes in at the end of the step under way.
                     waits = 1
@@ -95,11 +141,14 @@ class TransfersMixin:
                 return []       # cancelled while its blocks were being imported
             req, kind, dst_id, start, num_bytes, _ = self.flows.pop(flow_id)
             self.flow_steps.pop(flow_id, None)
-            self.estimators[link_name].observe(now, num_bytes, now - start)
+            self.estimators[link_name].observe_transfer(now, num_bytes, now - start,
+                                                        self.flow_handshake.pop(flow_id, 0.0))
             if link_name == "wan":
                 req.wan_bytes += num_bytes
             evs = self._release_p(req, now)
             dst = self.instances[dst_id]
+            evs += self._flow_ended(flow_id, now)      # siblings waiting on it ask HAVE once the
+                                                       # landing below has filled the cache
             if kind == "warm":          # a shared prefix for MD's cache, nothing waits on it
                 if dst.cache is not None:
                     dst.cache.insert(req.spec.block_ids[: req.warm_blocks])
@@ -113,9 +162,10 @@ class TransfersMixin:
         if fid is None or fid not in self.flows:
             return []
         name = self.flows.pop(fid)[5]
+        self.flow_handshake.pop(fid, None)
         nxt = self.links[name].cancel(now, fid)
         evs = [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
-        return evs + self._release_p(req, now)
+        return evs + self._release_p(req, now) + self._flow_ended(fid, now)
 
     def _release_p(self, req: SimRequest, now: float) -> list[Event]:
         req.pending_transfers -= 1

@@ -7,6 +7,15 @@
 The labels differ per role so a proof cannot be reflected back. Fresh random
 nonces on both sides defeat replay. The server drops a peer whose proof is
 wrong or who does not finish within `timeout_s`, and counts the attempt.
+`secret` is the KV purpose key derived from the deployment secret
+(`pdd.keys`), never the master secret itself.
+
+Pre-authentication limits: during the handshake both sides accept frames of
+at most PREAUTH_MAX_FRAME_BYTES (a larger declared length is refused from the
+16-byte header, before any payload is buffered); the full limit applies only
+from the frame after the peer's last handshake frame (FrameDecoder). The
+receiver also caps how many strangers may be mid-handshake at once
+(kv_receiver.py), and the whole exchange has `timeout_s`.
 The pure functions here take no I/O; the two coroutines drive a FrameStream.
 """
 
@@ -17,7 +26,9 @@ import hashlib
 import hmac
 import os
 
-from pdd.transport.frames import NONCE_BYTES, Auth, Challenge, Hello, encode_auth, encode_challenge, encode_hello
+from pdd.transport.frames import (
+    NONCE_BYTES, Auth, Challenge, FrameType, Hello, encode_auth, encode_challenge, encode_hello,
+)
 from pdd.transport.stream import FrameStream
 
 DEFAULT_AUTH_TIMEOUT_S = 5.0
@@ -48,7 +59,8 @@ def client_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> byt
 
 async def client_handshake(stream: FrameStream, secret: bytes, timeout_s: float = DEFAULT_AUTH_TIMEOUT_S) -> None:
     """Raises AuthError (wrong secret on either side, or protocol mix-up),
-    TimeoutError, ConnectionError."""
+    TimeoutError, ConnectionError, FrameError."""
+    stream.decoder.small_frames_until(FrameType.CHALLENGE)   # a stranger's reply is small too
     client_nonce = make_nonce()
     stream.write(encode_hello(client_nonce))
     frame = await stream.read_frame(timeout_s)
@@ -62,7 +74,8 @@ async def client_handshake(stream: FrameStream, secret: bytes, timeout_s: float 
 
 async def server_handshake(stream: FrameStream, secret: bytes, timeout_s: float = DEFAULT_AUTH_TIMEOUT_S) -> None:
     """The whole exchange must finish within timeout_s. Raises AuthError,
-    TimeoutError, ConnectionError; the caller drops the connection."""
+    TimeoutError, ConnectionError, FrameError; the caller drops the connection."""
+    stream.decoder.small_frames_until(FrameType.AUTH)
     async with asyncio.timeout(timeout_s):
         hello = await stream.read_frame(None)
         if not isinstance(hello, Hello):

@@ -35,6 +35,10 @@ HASH_BYTES = 16
 NONCE_BYTES = 16
 PROOF_BYTES = 32
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+# Until the handshake completes a peer is a stranger: the largest frame it may
+# declare (HELLO/CHALLENGE/AUTH are <= 48 bytes, an ERROR at most 4096), so a
+# stranger cannot make us buffer a 64 MB "frame" before proving the key.
+PREAUTH_MAX_FRAME_BYTES = 4096
 
 _HEADER = struct.Struct(">4sBBHII")
 HEADER_BYTES = _HEADER.size  # 16
@@ -185,10 +189,18 @@ def _exact(value: bytes, n: int, what: str) -> bytes:
 
 class FrameDecoder:
     """Incremental decoder: `feed(bytes) -> list[Frame]`. After a FrameError the
-    stream is out of sync for good, so every later feed raises the same error."""
+    stream is out of sync for good, so every later feed raises the same error.
+
+    `small_frames_until(kind)`: frames of at most PREAUTH_MAX_FRAME_BYTES until
+    a frame of that kind has been decoded. The switch happens inside the
+    decoder, frame by frame, because a legitimate sender pipelines its BEGIN
+    (often > 4 KB) right behind AUTH, in the same read; the caller still
+    checks the AUTH before it asks for the next frame, so a stranger gets at
+    most one read's worth of bytes buffered past a bogus AUTH."""
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
         self.max_frame_bytes = max_frame_bytes
+        self._small_until: FrameType | None = None
         self._buf = bytearray()
         self._error: FrameError | None = None
         self.num_bytes = 0  # wire bytes of complete frames decoded so far
@@ -196,6 +208,15 @@ class FrameDecoder:
     @property
     def num_buffered_bytes(self) -> int:
         return len(self._buf)
+
+    def small_frames_until(self, kind: FrameType) -> None:
+        self._small_until = kind
+
+    @property
+    def frame_limit_bytes(self) -> int:
+        if self._small_until is None:
+            return self.max_frame_bytes
+        return min(self.max_frame_bytes, PREAUTH_MAX_FRAME_BYTES)
 
     def feed(self, data: bytes) -> list[Frame]:
         if self._error is not None:
@@ -211,8 +232,10 @@ class FrameDecoder:
                         raise FrameError(f"bad frame magic {bytes(magic)!r} (stream out of sync or not a PDD peer)")
                     if version != VERSION:
                         raise FrameError(f"unsupported protocol version {version} (expected {VERSION})")
-                    if length > self.max_frame_bytes:
-                        raise FrameError(f"frame of {length} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
+                    if length > self.frame_limit_bytes:
+                        when = " before authentication" if self._small_until is not None else ""
+                        raise FrameError(f"frame of {length} bytes exceeds max_frame_bytes="
+                                         f"{self.frame_limit_bytes}{when}")
                     end = offset + HEADER_BYTES + length
                     if len(view) < end:
                         break
@@ -224,6 +247,8 @@ class FrameDecoder:
                         frame = _parse(ftype, body)
                     finally:
                         body.release()
+                    if ftype == self._small_until:
+                        self._small_until = None
                     frame.wire_bytes = end - offset
                     frames.append(frame)
                     self.num_bytes += end - offset

@@ -2,7 +2,11 @@
 
 One connection carries one transfer at a time (senders may reuse it for the
 next). Per connection:
-    accept -> auth handshake (drop + count on failure or timeout)
+    accept -> auth handshake (drop + count on failure or timeout); at most
+              `max_unauthenticated` connections may be mid-handshake, any
+              more are closed at once (counted), and until the handshake
+              completes frames are limited to PREAUTH_MAX_FRAME_BYTES: a
+              stranger costs us a few KB and a task, never a declared frame
     loop: BEGIN -> handler.on_begin -> HAVE -> BLOCK* (handler.on_block each)
           -> END -> handler.on_end(SUCCESS) -> END ack
 Every begun transfer ends with exactly one handler.on_end(status), also on a
@@ -38,6 +42,9 @@ log = logging.getLogger(__name__)
 DEFAULT_IDLE_TIMEOUT_S = 120.0  # an idle (between transfers) connection is closed silently
 DEFAULT_STALL_TIMEOUT_S = 30.0  # no frame for this long mid-transfer: FAILED
 DEFAULT_DEADLINE_GRACE_S = 1.0  # on top of the sender's deadline carried in BEGIN
+# Strangers mid-handshake per port. Senders open at most MAX_HANDSHAKES_PER_PEER
+# (kv_sender.py) at once per receiver, so a few prefill instances fit beneath.
+DEFAULT_MAX_UNAUTHENTICATED = 32
 
 
 class ReceiverHandler(Protocol):
@@ -50,6 +57,7 @@ class ReceiverHandler(Protocol):
 class ReceiverStats:
     num_connections: int = 0
     num_auth_failures: int = 0
+    num_refused_unauthenticated: int = 0   # closed at once: too many mid-handshake
     num_transfers: int = 0
     num_succeeded: int = 0
     num_failed: int = 0
@@ -92,8 +100,11 @@ class KVReceiver:
     def __init__(self, secret: str | bytes, handler: ReceiverHandler, *,
                  auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, deadline_grace_s: float = DEFAULT_DEADLINE_GRACE_S,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED):
         self.secret = as_secret(secret)
+        self.max_unauthenticated = max_unauthenticated
+        self.num_unauthenticated = 0
         self.handler = handler
         self.auth_timeout_s = auth_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -135,6 +146,10 @@ class KVReceiver:
             self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.num_unauthenticated >= self.max_unauthenticated:
+            self.stats.num_refused_unauthenticated += 1
+            writer.transport.abort()
+            return
         task = asyncio.current_task()
         self._tasks.add(task)
         stream = FrameStream(reader, writer, self.max_frame_bytes)
@@ -146,6 +161,7 @@ class KVReceiver:
                 log.warning("kv receiver: dropped %s: certificate for %s may not send KV", stream.peer,
                             sorted(peer_names(writer)) or "no name")
                 return
+            self.num_unauthenticated += 1
             try:
                 await server_handshake(stream, self.secret, self.auth_timeout_s)
             except (AuthError, TimeoutError, ConnectionError, FrameError, OSError) as e:
@@ -154,6 +170,8 @@ class KVReceiver:
                 if isinstance(e, AuthError):
                     stream.write(encode_error(f"authentication failed: {e}"))
                 return
+            finally:
+                self.num_unauthenticated -= 1
             while True:
                 try:
                     frame = await stream.read_frame(self.idle_timeout_s)

@@ -18,6 +18,9 @@ simply use several pooled connections. A connection is pooled again only
 after a clean END ack; after any failure it is aborted, since its stream is
 no longer trustworthy. Pooled connections idle longer than `idle_keep_s`
 (below the receiver's idle timeout) or closed by the peer are dropped.
+At most `max_handshakes_per_peer` new connections per peer authenticate at
+once (the rest wait their turn), so a burst of cold transfers stays below the
+receiver's cap on unauthenticated connections, which closes excess ones.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ BlockSource = Union[Sequence[bytes], Callable[[int], Union[bytes, Awaitable[byte
 # (host, port) -> how to reach it over TLS, or None: plain TCP there
 TlsResolver = Callable[[str, int], Union[TlsPeer, None]]
 DEFAULT_DEADLINE_S = 60.0
+MAX_HANDSHAKES_PER_PEER = 8   # below the receiver's DEFAULT_MAX_UNAUTHENTICATED (32)
 
 
 class _PeerError(Exception):
@@ -81,6 +85,7 @@ class KVSender:
     def __init__(self, secret: str | bytes, *, reuse_connections: bool = True, connect_timeout_s: float = 5.0,
                  auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S, idle_keep_s: float = 30.0,
                  max_idle_per_peer: int = 8, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 max_handshakes_per_peer: int = MAX_HANDSHAKES_PER_PEER,
                  tls: TlsResolver | None = None, seal_blocks: bool = False):
         """tls: which peers speak TLS and the name each must prove. seal_blocks:
         each BLOCK carries the SHA-256 of its bytes (kv_codec.seal_block), taken
@@ -96,7 +101,9 @@ class KVSender:
         self.max_frame_bytes = max_frame_bytes
         self.num_connections_opened = 0
         self.num_connections_reused = 0
+        self.max_handshakes_per_peer = max_handshakes_per_peer
         self._idle: dict[tuple[str, int], list[tuple[FrameStream, float]]] = {}
+        self._handshakes: dict[tuple[str, int], asyncio.Semaphore] = {}
         self._active: set[TransferHandle] = set()
 
     def send(self, host: str, port: int, request_id: str, meta: dict, block_hashes: list[bytes],
@@ -135,6 +142,13 @@ class KVSender:
                 self.num_connections_reused += 1
                 return stream
             stream.abort()
+        turn = self._handshakes.get((host, port))
+        if turn is None:
+            turn = self._handshakes[(host, port)] = asyncio.Semaphore(self.max_handshakes_per_peer)
+        async with turn:
+            return await self._connect(host, port)
+
+    async def _connect(self, host: str, port: int) -> FrameStream:
         peer = self.tls(host, port) if self.tls is not None else None
         tls_kw = {} if peer is None else {"ssl": peer.context, "server_hostname": peer.name,
                                           "ssl_handshake_timeout": self.connect_timeout_s}
@@ -183,7 +197,9 @@ class KVSender:
                 status.bytes_sent += stream.write(encode_begin(status.request_id, meta, hashes, deadline_s,
                                                                self.max_frame_bytes))
                 status.state = TransferState.WAITING
+                begun = time.monotonic()
                 have = await stream.read_frame(None)
+                status.handshake_s = time.monotonic() - begun
                 if isinstance(have, Error):
                     raise _PeerError(f"receiver refused transfer: {have.message}")
                 if not isinstance(have, Have) or have.num_blocks != len(hashes):

@@ -38,6 +38,9 @@ class TransferStatus:
     cancelled: bool = False
     started_s: float = 0.0  # time.monotonic()
     finished_s: float | None = None
+    # BEGIN -> HAVE (sender): a round trip, plus the time the receiver held
+    # its answer back while another transfer brought it the same blocks.
+    handshake_s: float = 0.0
     meta: dict = field(default_factory=dict)
 
     @property

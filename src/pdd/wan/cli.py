@@ -2,7 +2,7 @@
 
     pdd wan --listen 7001:127.0.0.1:8001 [--listen ...] [--listen-back ...]
             --rate-mbps 400 --latency-ms 20 --jitter-ms 5
-            --control-port 7100 --secret-file deploy.secret
+            --control-port 7100 --secret-file deploy.secret [--name wan0]
 
 Prints one JSON line `{"event": "ready", ...}` (bound ports) on stdout once
 listening, then runs until SIGTERM/SIGINT and shuts down cleanly.
@@ -40,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst-kb", type=float, default=DEFAULT_BURST_BYTES / 1024, help="token bucket depth")
     parser.add_argument("--seed", type=int, default=0, help="jitter RNG seed")
     parser.add_argument("--control-port", type=int, default=None, help="HTTP control API port (0: any)")
-    parser.add_argument("--secret-file", default=None, help="file holding the deployment secret (control API)")
+    parser.add_argument("--secret-file", default=None,
+                        help="file holding the deployment secret; the control API uses the key derived from it")
+    parser.add_argument("--name", default=None, help="this relay's name, which control calls are signed for "
+                                                     "(default: wan)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,17 +52,19 @@ def run(args: argparse.Namespace) -> int:
     if not args.listen and not args.listen_back:
         print("pdd wan: give at least one --listen or --listen-back", file=sys.stderr)
         return 2
-    secret = None
+    key = None
     if args.control_port is not None:
         if not args.secret_file:
             print("pdd wan: --control-port needs --secret-file", file=sys.stderr)
             return 2
-        with open(args.secret_file) as f:
-            secret = f.read().strip()
-    return asyncio.run(_serve(args, secret))
+        from pdd.keys import Purpose, derive_key
+        from pdd.server.http_auth import read_secret
+
+        key = derive_key(read_secret(args.secret_file), Purpose.WAN_CONTROL)   # the master is not kept
+    return asyncio.run(_serve(args, key))
 
 
-async def _serve(args: argparse.Namespace, secret: str | None) -> int:
+async def _serve(args: argparse.Namespace, key: bytes | None) -> int:
     import asyncio
     import signal
 
@@ -72,10 +77,10 @@ async def _serve(args: argparse.Namespace, secret: str | None) -> int:
         for (port, host, target_port), reverse in [(m, False) for m in args.listen] + \
                                                   [(m, True) for m in args.listen_back]:
             await link.add_mapping(port, host, target_port, listen_host=args.host, reverse=reverse)
-        if secret is not None:
-            from pdd.wan.control import ControlServer
+        if key is not None:
+            from pdd.wan.control import DEFAULT_NAME, ControlServer
 
-            control = ControlServer(link, secret)
+            control = ControlServer(link, key, args.name or DEFAULT_NAME)
             await control.start(args.host, args.control_port)
         print(json.dumps({"event": "ready", "mappings": link.stats_dict()["mappings"],
                           "control_port": control.port if control else None}), flush=True)

@@ -6,20 +6,27 @@
                      "jitter_ms" | "jitter_s"}  (any subset; rate 0 or null: unlimited)
     GET  /stats     counters and current configuration (JSON)
     GET  /health    {"ok": true}
-Every request must carry `Authorization: Bearer <deployment secret>`, else 401.
-`WanControlClient` is the matching client for benchmarks and `pdd up`.
+Every request is signed (`X-PDD-Auth`, see server/http_auth.py) with the
+WAN-control key derived from the deployment secret (`pdd.keys`) for this
+relay's name (`wan0`, ...), over method, path, timestamp, nonce and body;
+else 401, before the body is read. Nothing that travels is a reusable token:
+a captured call can be neither replayed nor re-bodied nor sent to another
+relay. `WanControlClient` is the matching client for benchmarks and `pdd up`.
 """
 
 from __future__ import annotations
 
-import hmac
+import json
 from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from pdd.server.http_auth import sign, signed_call_middleware
 from pdd.wan.relay import WanLink
 from pdd.wan.shaper import MBIT_BYTES_S
 
+DEFAULT_NAME = "wan"
+MAX_BODY_BYTES = 64 * 1024   # settings are a few keys; nothing bigger is read
 _UNITS = {  # JSON key -> (shaper argument, factor)
     "rate_bytes_s": ("rate_bytes_s", 1.0), "rate_mbps": ("rate_bytes_s", MBIT_BYTES_S),
     "latency_s": ("latency_s", 1.0), "latency_ms": ("latency_s", 1e-3),
@@ -48,16 +55,20 @@ def parse_settings(body: dict) -> dict[str, Any]:
 
 
 class ControlServer:
-    def __init__(self, link: WanLink, secret: str):
-        if not secret:
-            raise ValueError("the control API needs a non-empty secret")
+    """`key`: the WAN-control key (`DeploymentKeys.wan_control`); `name`: this
+    relay's name, which every call must be signed for."""
+
+    def __init__(self, link: WanLink, key: str | bytes, name: str = DEFAULT_NAME):
+        if not key:
+            raise ValueError("the control API needs a non-empty key")
         self.link = link
-        self._expected = f"Bearer {secret}".encode()
+        self.name = name
+        self._auth = signed_call_middleware(key.encode() if isinstance(key, str) else key, name, lambda _path: True)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(middlewares=[self._auth], client_max_size=MAX_BODY_BYTES)
         app.add_routes([
             web.post("/cut", self._cut), web.post("/restore", self._restore), web.post("/set", self._set),
             web.get("/stats", self._stats), web.get("/health", self._health),
@@ -74,18 +85,12 @@ class ControlServer:
             await self._runner.cleanup()
             self._runner = None
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        got = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(got, self._expected):
-            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
-        return await handler(request)
-
     async def _json(self, request: web.Request) -> dict:
-        if not request.can_read_body:
+        body = await request.read()   # already read (and checked) by the signature middleware
+        if not body:
             return {}
         try:
-            return await request.json()
+            return json.loads(body)
         except ValueError:
             raise web.HTTPBadRequest(text="body is not JSON") from None
 
@@ -116,16 +121,23 @@ class ControlServer:
 
 
 class WanControlClient:
-    """await client.cut(); await client.set(rate_mbps=100); await client.stats()"""
+    """await client.cut(); await client.set(rate_mbps=100); await client.stats()
 
-    def __init__(self, host: str, port: int, secret: str, timeout_s: float = 5.0):
+    `key`: the WAN-control key; `name`: the relay's name (as in ControlServer)."""
+
+    def __init__(self, host: str, port: int, key: str | bytes, name: str = DEFAULT_NAME, timeout_s: float = 5.0):
         self.base = f"http://{host}:{port}"
-        self.headers = {"Authorization": f"Bearer {secret}"}
+        self.key = key.encode() if isinstance(key, str) else key
+        self.name = name
         self.timeout = ClientTimeout(total=timeout_s)
 
     async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
-        async with ClientSession(timeout=self.timeout, headers=self.headers) as session:
-            async with session.request(method, self.base + path, json=body) as resp:
+        data = b"" if body is None else json.dumps(body).encode()
+        headers = sign(self.key, method, path, self.name, data)
+        if data:
+            headers["Content-Type"] = "application/json"
+        async with ClientSession(timeout=self.timeout) as session:
+            async with session.request(method, self.base + path, data=data or None, headers=headers) as resp:
                 data = await resp.json()
                 if resp.status != 200:
                     raise RuntimeError(f"wan control {path}: HTTP {resp.status}: {data}")

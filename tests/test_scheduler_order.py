@@ -1,0 +1,59 @@
+"""Prompt work is scheduled shortest-remaining first (pure scheduler, no model)."""
+
+from __future__ import annotations
+
+from pdd.engine.block_pool import BlockPool
+from pdd.engine.config import EngineConfig
+from pdd.engine.request import EngineRequest, SamplingParams
+from pdd.engine.scheduler import Scheduler
+
+CFG = EngineConfig(block_size=16, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=256)
+
+
+def make() -> Scheduler:
+    return Scheduler(CFG, BlockPool(CFG.num_blocks, CFG.block_size, True), b"ns")
+
+
+def req(rid: str, n: int, t: float, base: int = 100) -> EngineRequest:
+    return EngineRequest(rid, list(range(base, base + n)), SamplingParams(max_tokens=4), arrival_s=t)
+
+
+def step(s: Scheduler) -> dict[str, int]:
+    plan = s.schedule()
+    s.postprocess(plan)
+    for x in plan.seqs:
+        if x.sample:                      # as the engine does with the sampled token
+            x.request.token_ids.append(7)
+    return {x.request.request_id: x.num_tokens for x in plan.seqs}
+
+
+def test_a_short_prompt_overtakes_a_long_one_in_progress():
+    s = make()
+    s.add(req("cold", 2000, 0.0))
+    assert step(s) == {"cold": 256}
+    s.add(req("warm", 40, 1.0, base=5000))
+    # The newcomer computes all of its 40 tokens at once, in a step of its own.
+    assert step(s) == {"warm": 40}
+    assert step(s) == {"warm": 1, "cold": 255}     # its decode goes first
+
+
+def test_the_cached_prefix_counts_as_done():
+    s = make()
+    first = req("first", 320, 0.0)
+    s.add(first)
+    assert step(s) == {"first": 256} and step(s) == {"first": 64}
+    s.remove(first)                   # finished: its blocks stay in the prefix cache
+    s.add(req("long", 1000, 1.0, base=9000))
+    assert step(s) == {"long": 256}
+    # 336 tokens, 320 of them cached (20 blocks): 16 to compute, ahead of the long one.
+    s.add(req("follow", 336, 2.0))
+    assert step(s) == {"follow": 16}
+
+
+def test_equal_work_keeps_arrival_order_and_decodes_go_first():
+    s = make()
+    s.add(req("a", 200, 0.0))
+    s.add(req("b", 200, 1.0, base=3000))
+    assert step(s) == {"a": 200}                # completes a: no chunk of b beside it
+    out = step(s)                               # a decodes first, then b
+    assert list(out) == ["a", "b"] and out == {"a": 1, "b": 200}

@@ -1,0 +1,44 @@
+"""PDD in the WAN-bound regime, simulated on the example deployment files:
+it never collapses into RelayDecode-only, under load or far above it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pdd.bench import agentic
+from pdd.bench.metrics import Sla
+from pdd.deploy.spec import link_overrides
+from pdd.sim.runtime import RuntimeMode, run_runtime_mode
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+WAN_MBPS = 108.0      # the README's sizing: 2x pd-wan-drc's mean KV rate at the preset's load
+
+
+def run(mode: str, cfg: agentic.AgenticConfig) -> tuple[dict, list]:
+    wl = agentic.generate(cfg)
+    m = RuntimeMode(mode, str(EXAMPLES / f"{mode}.toml"), link_overrides(WAN_MBPS))
+    entry, records, _ = run_runtime_mode(m, wl, Sla(3.0, 0.25))
+    return entry, records
+
+
+def relay_only_share(records) -> float:
+    return sum(r.pipeline in ("relay_filtered", "relay_cancelled") for r in records) / len(records)
+
+
+@pytest.mark.parametrize("rate", [agentic.WAN_BOUND.session_rate_per_s, 0.15])
+def test_pdd_stays_pdd_in_the_wan_bound_regime_and_at_twice_ps_capacity(rate):
+    # Open loop: turns arrive on their timetable whatever the queues (0.15
+    # sessions/s is about twice what P can prefill).
+    cfg = dataclasses.replace(agentic.WAN_BOUND, closed_loop=False, session_rate_per_s=rate)
+    drc, _ = run("pd-wan-drc", cfg)
+    pdd, records = run("pdd", cfg)
+    assert pdd["num_failed"] == 0 and pdd["num_requests"] == cfg.num_requests
+    assert pdd["rld_token_share"] <= 0.15, pdd["rld_token_share"]
+    assert relay_only_share(records) <= 0.06
+    # Most requests go straight to MD, and the line carries no more than DRC's.
+    assert sum(r.pipeline == "direct" for r in records) >= 0.7 * len(records)
+    assert pdd["wan_bytes"] <= drc["wan_bytes"]
+    assert pdd["ttft_s"]["p90"] <= 1.05 * drc["ttft_s"]["p90"]
