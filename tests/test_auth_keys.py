@@ -254,10 +254,10 @@ def pdd_dep(tmp_path_factory, tiny_model_dir):
     dep.stop()
 
 
-def _call(url: str, header: str | None, body: bytes) -> int:
+def _call(url: str, header: str | None, body: bytes, context=None) -> int:
     headers = {"Content-Type": "application/json"} | ({HEADER: header} if header else {})
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=30) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=30, context=context) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
@@ -271,18 +271,26 @@ def test_deployment_instances_accept_each_signed_call_once_and_only_as_signed(pd
     assert pdd_dep.secret not in (keys.internal_http, keys.kv, keys.wan_control)
     url = {i.name: address(spec, i, spec.router_datacenter).url for i in spec.instances}  # md0 via the WAN relay
     assert url["md0"] != f"http://{spec.instance('md0').host}:{spec.instance('md0').port}"
+    # md0's port speaks TLS ([tls] mode "wan"): https with the router's certificate, as the router calls it
+    tls = {i.name: pdd_dep.instance_url(i.name)[1] for i in spec.instances}
+    assert tls["md0"] is not None and tls["p0"] is None
+    url = {n: "https" + u.removeprefix("http") if tls[n] else u for n, u in url.items()}
+
+    def call(name: str, header: str | None, body: bytes) -> int:
+        return _call(url[name] + "/internal/match", header, body, tls[name])
+
     body = json.dumps({"prompt_ids": list(range(100, 140))}).encode()
     for name in ("p0", "rld0", "md0"):
         h = sign(keys.internal_http, "POST", "/internal/match", name, body)[HEADER]
-        assert _call(url[name] + "/internal/match", h, body) == 200
-        assert _call(url[name] + "/internal/match", h, body) == 401                           # replayed
-        assert _call(url[name] + "/internal/match", h, b'{"prompt_ids": []}') == 401           # re-bodied
+        assert call(name, h, body) == 200
+        assert call(name, h, body) == 401                                                     # replayed
+        assert call(name, h, b'{"prompt_ids": []}') == 401                                    # re-bodied
         for other in {"p0", "rld0", "md0"} - {name}:
-            assert _call(url[other] + "/internal/match", h, body) == 401                      # misdirected
+            assert call(other, h, body) == 401                                                # misdirected
         unused = sign(keys.internal_http, "POST", "/internal/match", name, body)[HEADER]
-        assert _call(url[name] + "/internal/match", unused, b'{"prompt_ids": [1]}') == 401
-        assert _call(url[name] + "/internal/match", sign(pdd_dep.secret, "POST", "/internal/match", name, body)[HEADER],
-                     body) == 401                                                             # the master as key
+        assert call(name, unused, b'{"prompt_ids": [1]}') == 401
+        assert call(name, sign(pdd_dep.secret, "POST", "/internal/match", name, body)[HEADER],
+                    body) == 401                                                              # the master as key
     # the router signs every call for its target: a request end to end still works
     with urllib.request.urlopen(pdd_dep.router_url + "/models", timeout=30) as r:
         model = json.loads(r.read())["data"][0]["id"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import ssl
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from deploy_helpers import deployment_toml
 from pdd.deploy.launcher import Deployment
 from pdd.model.reference import generate_greedy
 from pdd.model.tokenizer import Tokenizer
+from pdd.transport.tls import http_tls
 
 MODES = ["colocated", "pd-local", "pd-wan", "pdd"]
 
@@ -109,10 +111,10 @@ def test_chat_and_text_prompts(served):
     assert t.choices[0].text == t2.choices[0].text      # seeded sampling is reproducible in every mode
 
 
-def _post(url: str, body: bytes, headers=None) -> tuple[int, dict]:
+def _post(url: str, body: bytes, headers=None, context=None) -> tuple[int, dict]:
     req = urllib.request.Request(url, body, {"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=30, context=context) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -148,12 +150,15 @@ def test_bad_requests_get_openai_errors_and_lose_nothing(served, tiny_model, tok
 def test_internal_ports_refuse_unauthenticated_calls(served):
     dep, client, model = served
     for inst in dep.spec.instances:
-        base = f"http://{inst.host}:{inst.port}"
-        code, err = _post(base + "/internal/abort", json.dumps({"request_id": "x"}).encode())
+        base, ctx = f"http://{inst.host}:{inst.port}", None
+        if http_tls(dep.spec, inst):    # across the WAN: TLS, verified against the deployment CA
+            base, ctx = f"https://{inst.host}:{inst.port}", ssl.create_default_context(cafile=dep.tls_dir / "ca.crt")
+            ctx.check_hostname = False  # reached by address; its certificate names the instance
+        code, err = _post(base + "/internal/abort", json.dumps({"request_id": "x"}).encode(), context=ctx)
         assert code == 401
-        code, _ = _post(base + "/internal/match", b"{}", {"X-PDD-Auth": "1:2:3"})
+        code, _ = _post(base + "/internal/match", b"{}", {"X-PDD-Auth": "1:2:3"}, context=ctx)
         assert code == 401
-        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        with urllib.request.urlopen(base + "/metrics", timeout=10, context=ctx) as r:
             text = r.read().decode()
         assert "pdd_kv_free_blocks" in text and "pdd_generated_tokens_total" in text
 

@@ -317,8 +317,9 @@ def test_runner_saves_deploy_file_and_steps(tmp_path, monkeypatch):
     from pdd.bench import runner
 
     spec = load_spec(EXAMPLES / "pd-local.toml")
-    fake = type("Dep", (), {"spec": spec, "secret": b"s" * 32})()
-    monkeypatch.setattr(runner, "fetch_steps", lambda url, secret, target: [
+    fake = type("Dep", (), {"spec": spec, "secret": b"s" * 32,
+                            "instance_url": lambda self, name: (f"http://127.0.0.1:1/{name}", None)})()
+    monkeypatch.setattr(runner, "fetch_steps", lambda url, secret, target, context=None: [
         {"instance": url[-4:], "num_prefill_tokens": 1, "num_decode_tokens": 0, "batch_size": 1,
          "context_lens": [1], "wall_s": 0.1}])
     save_run_artefacts(fake, runner.ModeSpec("pd-local", str(EXAMPLES / "pd-local.toml")), tmp_path)

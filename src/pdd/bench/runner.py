@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import ssl
 import sys
 import time
 import traceback
@@ -275,17 +276,21 @@ def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
         secret = getattr(dep, "secret", None) if dspec is not None else None
         if dspec is None or not isinstance(secret, bytes):
             return
+        # An instance's port may speak TLS (MD under [tls] mode "wan"): the
+        # deployment says how to reach it (base URL, SSL context or None).
+        bases = {i.name: dep.instance_url(i.name) for i in dspec.instances}
         with open(mode_dir / "steps.jsonl", "w") as f:
             for inst in dspec.instances:
-                for rec in fetch_steps(f"http://{inst.host}:{inst.port}", secret, inst.name):
+                url, ctx = bases[inst.name]
+                for rec in fetch_steps(url, secret, inst.name, context=ctx):
                     f.write(json.dumps(rec) + "\n")
         # Prometheus counters (KV bytes and transfer seconds per link, ...), for diagnosis.
         (mode_dir / "metrics").mkdir(exist_ok=True)
-        urls = {i.name: f"http://{i.host}:{i.port}/metrics" for i in dspec.instances}
-        urls["router"] = f"http://{dspec.router_host}:{dspec.router_port}/metrics"
-        for name, url in urls.items():
+        urls = {name: (url + "/metrics", ctx) for name, (url, ctx) in bases.items()}
+        urls["router"] = (f"http://{dspec.router_host}:{dspec.router_port}/metrics", None)
+        for name, (url, ctx) in urls.items():
             try:
-                with urllib.request.urlopen(url, timeout=10.0) as r:
+                with urllib.request.urlopen(url, timeout=10.0, context=ctx) as r:
                     (mode_dir / "metrics" / f"{name}.prom").write_bytes(r.read())
             except OSError:
                 pass
@@ -293,9 +298,11 @@ def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
         traceback.print_exc()
 
 
-def fetch_steps(base_url: str, secret: bytes, target: str, timeout_s: float = 30.0) -> list[dict]:
+def fetch_steps(base_url: str, secret: bytes, target: str, timeout_s: float = 30.0,
+                context: ssl.SSLContext | None = None) -> list[dict]:
     """GET /internal/steps, signed for instance `target` with the key derived
-    from the deployment `secret`: one dict per engine step, tagged with instance and role."""
+    from the deployment `secret`: one dict per engine step, tagged with instance and role.
+    context: for an https base URL (Deployment.instance_url), else None."""
     import urllib.request
 
     from pdd.keys import DeploymentKeys
@@ -304,6 +311,6 @@ def fetch_steps(base_url: str, secret: bytes, target: str, timeout_s: float = 30
     path = "/internal/steps"
     headers = sign(DeploymentKeys.derive(secret).internal_http, "GET", path, target)
     req = urllib.request.Request(base_url + path, headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+    with urllib.request.urlopen(req, timeout=timeout_s, context=context) as r:
         doc = json.loads(r.read())
     return [{"instance": doc.get("instance"), "role": doc.get("role"), **s} for s in doc.get("steps", [])]

@@ -2,11 +2,12 @@
 
 `Deployment.start(path)` prepares the model once, writes a fresh shared
 secret (mode 0600; every process derives its per-purpose keys from it,
-`pdd.keys`, and none sends it anywhere), starts the WAN relays, every
-instance and the router (each its own process group, logs under the run
-directory), waits until all answer /health, and records their pids.
-`stop()` (and `pdd down`) ends exactly those process groups: SIGTERM, then
-SIGKILL after a grace period.
+`pdd.keys`, and none sends it anywhere) and (TLS on) a fresh deployment CA
+with a certificate per instance and the router (pdd.transport.tls), starts
+the WAN relays, every instance and the router (each its own process group,
+logs under the run directory), waits until all answer /health, and records
+their pids. `stop()` (and `pdd down`) ends exactly those process groups:
+SIGTERM, then SIGKILL after a grace period.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -50,6 +52,7 @@ class Proc:
     url: str                 # health URL
     log: Path
     signer: tuple[bytes, str] | None = None   # (key, name): the relay's /health must be signed
+    ca: Path | None = None      # an https health URL: verify the server against this CA
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Deployment:
     spec: DeploymentSpec
     run_dir: Path
     procs: list[Proc] = field(default_factory=list)
+    tls_dir: Path | None = None     # certificates (None: TLS off)
     # name -> (command, environment): how to start a process again (supervisor.py)
     recipes: dict[str, tuple[list[str], dict]] = field(default_factory=dict)
     supervisor: "Supervisor | None" = None
@@ -79,6 +83,20 @@ class Deployment:
 
         link = self.spec.links[k]
         return WanControlClient(link.relay_host, link.control_port, self.keys.wan_control, name=f"wan{k}")
+
+    def instance_url(self, name: str) -> tuple[str, ssl.SSLContext | None]:
+        """Base URL of an instance's HTTP API from this host, and the SSL context
+        for it (None: plain http): verified against the deployment CA and
+        presenting the router's certificate, so tools may make /internal/ calls."""
+        from pdd.deploy.spec import ROUTER_CERT_NAME
+        from pdd.transport.tls import TlsFiles, client_context, http_tls
+
+        inst = self.spec.instance(name)
+        if self.tls_dir is None or not http_tls(self.spec, inst):
+            return f"http://{inst.host}:{inst.port}", None
+        ctx = client_context(TlsFiles(self.tls_dir, ROUTER_CERT_NAME))
+        ctx.check_hostname = False     # reached by address (urllib cannot pass the name); the CA still vouches
+        return f"https://{inst.host}:{inst.port}", ctx
 
     @property
     def secret(self) -> bytes:
@@ -108,7 +126,14 @@ class Deployment:
         secret_file.write_text(secrets.token_hex(32))
         secret_file.chmod(0o600)
         _check_ports_free(spec)
-        dep = cls(spec, run_dir)
+        from pdd.transport.tls import TlsError, ensure_certs, http_tls
+
+        try:
+            tls_dir = ensure_certs(spec, run_dir)
+        except TlsError as e:
+            raise DeploymentError(str(e)) from None
+        dep = cls(spec, run_dir, tls_dir=tls_dir)
+        tls_args = ["--tls-dir", str(tls_dir)] if tls_dir is not None else []
         base = [sys.executable, "-m", "pdd.cli"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PDD_CACHE": str(cache_dir)}
         try:
@@ -124,11 +149,14 @@ class Deployment:
             extra = ["--override", json.dumps(overrides)] if overrides else []
             for inst in spec.instances:
                 cmd = base + ["serve", "-c", str(config_path), "--name", inst.name,
-                              "--secret-file", str(secret_file), "--cache", str(cache_dir)] + extra
-                dep._spawn(inst.name, cmd, f"http://{inst.host}:{inst.port}/health", env)
+                              "--secret-file", str(secret_file), "--cache", str(cache_dir)] + tls_args + extra
+                if http_tls(spec, inst):
+                    dep._spawn(inst.name, cmd, f"https://{inst.host}:{inst.port}/health", env, ca=tls_dir / "ca.crt")
+                else:
+                    dep._spawn(inst.name, cmd, f"http://{inst.host}:{inst.port}/health", env)
             dep._wait_healthy(timeout_s, [p for p in dep.procs])
             cmd = base + ["serve", "-c", str(config_path), "--router", "--secret-file", str(secret_file),
-                          "--cache", str(cache_dir)] + extra
+                          "--cache", str(cache_dir)] + tls_args + extra
             dep._spawn("router", cmd, f"http://{spec.router_host}:{spec.router_port}/health", env)
             dep._wait_healthy(timeout_s, dep.procs[-1:])
         except BaseException:
@@ -140,12 +168,13 @@ class Deployment:
             dep.supervisor = Supervisor(dep, supervise).start()
         return dep
 
-    def _spawn(self, name: str, cmd: list[str], url: str, env: dict, signer: tuple[bytes, str] | None = None) -> None:
+    def _spawn(self, name: str, cmd: list[str], url: str, env: dict, signer: tuple[bytes, str] | None = None,
+               ca: Path | None = None) -> None:
         log = self.run_dir / "logs" / f"{name}.log"
         with open(log, "wb") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, env=env)
-        self.procs.append(Proc(name, p.pid, url, log, signer))
+        self.procs.append(Proc(name, p.pid, url, log, signer, ca))
         self.recipes[name] = (cmd, env)
         self._record()
 
@@ -160,7 +189,7 @@ class Deployment:
             for p in list(pending):
                 if not _alive(p.pid):
                     raise DeploymentError(f"{p.name} exited during start-up; log {p.log}:\n{_tail(p.log)}")
-                if _healthy(p.url, p.signer):
+                if _healthy(p.url, p.signer, p.ca):
                     pending.remove(p)
             if time.monotonic() > deadline:
                 raise DeploymentError(f"not healthy within {timeout_s:.0f} s: {[p.name for p in pending]}")
@@ -187,15 +216,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _healthy(url: str, signer: tuple[bytes, str] | None = None) -> bool:
+def _healthy(url: str, signer: tuple[bytes, str] | None = None, ca: Path | None = None) -> bool:
     headers = {}
     if signer is not None:
         from pdd.server.http_auth import sign
 
         headers = sign(signer[0], "GET", urllib.parse.urlsplit(url).path, signer[1])
     req = urllib.request.Request(url, headers=headers)
+    context = None
+    if ca is not None:
+        # A liveness probe: the CA must vouch for the server, but it is reached by
+        # address, not by its certificate's name (no client certificate needed).
+        context = ssl.create_default_context(cafile=str(ca))
+        context.check_hostname = False
     try:
-        with urllib.request.urlopen(req, timeout=1.0) as r:
+        with urllib.request.urlopen(req, timeout=1.0, context=context) as r:
             return r.status == 200
     except OSError:
         return False

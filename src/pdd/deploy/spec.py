@@ -9,6 +9,7 @@ and `pdd serve -c FILE --name X` starts just that one.
 from __future__ import annotations
 
 import enum
+import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -59,6 +60,20 @@ class LinkSpec:
     control_port: int = 8399
 
 
+class TlsMode(str, enum.Enum):
+    OFF = "off"      # no TLS anywhere (a trusted network, or a test of the plaintext path)
+    WAN = "wan"      # mutual TLS on every port that a client reaches across datacenters
+    ALL = "all"      # mutual TLS on every instance port, inside a datacenter too
+
+
+@dataclass(frozen=True)
+class TlsSpec:
+    mode: TlsMode = TlsMode.WAN
+    # The operator's own certificates: ca.crt plus NAME.crt / NAME.key for every
+    # instance and `router`. None: `pdd up` creates a CA and them in the run dir.
+    dir: Path | None = None
+
+
 @dataclass(frozen=True)
 class DeploymentSpec:
     name: str
@@ -77,6 +92,7 @@ class DeploymentSpec:
     policy: dict = field(default_factory=dict)
     request_timeout_s: float = 300.0
     kv_deadline_s: float = 60.0
+    tls: TlsSpec = field(default_factory=TlsSpec)
     source: Path | None = None
 
     @property
@@ -144,7 +160,8 @@ def _port(d: dict, key: str, where: str, default: Any = ...) -> int:
 
 
 def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
-    _unknown(doc, {"name", "model", "router", "engine", "instances", "links", "policy", "timeouts"}, "deployment")
+    _unknown(doc, {"name", "model", "router", "engine", "instances", "links", "policy", "timeouts", "tls"},
+             "deployment")
     name = _take(doc, "name", str, "deployment", source.stem if source else "deployment")
     model = doc.get("model", {})
     if not isinstance(model, dict):
@@ -212,7 +229,7 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
         instances=tuple(instances), links=tuple(links), policy=dict(doc.get("policy", {})),
         request_timeout_s=_take(timeouts, "request_s", float, "timeouts", 300.0),
         kv_deadline_s=_take(timeouts, "kv_deadline_s", float, "timeouts", 60.0),
-        source=source,
+        tls=_tls(doc.get("tls", {}), source), source=source,
     )
     _check_topology(spec)
     try:
@@ -224,10 +241,38 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
     return spec
 
 
+def _tls(d: dict, source: Path | None) -> TlsSpec:
+    if not isinstance(d, dict):
+        raise SpecError("tls must be a table with `mode` and optionally `dir`")
+    _unknown(d, {"mode", "dir"}, "tls")
+    mode_s = _take(d, "mode", str, "tls", TlsMode.WAN.value)
+    try:
+        mode = TlsMode(mode_s)
+    except ValueError:
+        raise SpecError(f"tls.mode must be one of {[m.value for m in TlsMode]}, got {mode_s!r}") from None
+    cert_dir = d.get("dir")
+    if cert_dir is not None:
+        cert_dir = Path(_take(d, "dir", str, "tls"))
+        if not cert_dir.is_absolute() and source is not None:
+            cert_dir = source.parent / cert_dir     # relative to the deployment file, as an operator expects
+    return TlsSpec(mode, cert_dir)
+
+
+# Certificates name instances by a DNS name (their SAN), which TLS checks on
+# both ends; `router` is the router's own certificate.
+_DNS_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+ROUTER_CERT_NAME = "router"
+
+
 def _check_topology(spec: DeploymentSpec) -> None:
     names = [i.name for i in spec.instances]
     if len(set(names)) != len(names):
         raise SpecError(f"instances: names must be unique, got {names}")
+    if spec.tls.mode != TlsMode.OFF:
+        for k, n in enumerate(names):
+            if not _DNS_LABEL.fullmatch(n) or n == ROUTER_CERT_NAME:
+                raise SpecError(f"instances[{k}].name {n!r}: with TLS on, names are certificate names: letters, "
+                                f"digits and inner '-' (at most 63), and not {ROUTER_CERT_NAME!r}")
     ports = [(i.host, p) for i in spec.instances for p in (i.port, i.kv_port)] + [(spec.router_host, spec.router_port)]
     if len(set(ports)) != len(ports):
         raise SpecError("instances: every port (port, kv_port, router.port) must be distinct")

@@ -9,6 +9,13 @@ error instead of silently corrupting a cache.
 Blob layout (export_kv / import_kv): b"PDDKV1" | u32 header length | header
 JSON | payloads of the listed blocks, concatenated; the header carries a
 SHA-256 of the payload bytes.
+
+Over the KV transport blocks travel one by one, each sealed (seal_block):
+the SHA-256 of its bytes, taken where the sender reads them out of its pool,
+then the bytes. The receiver opens it (open_block) just before the block goes
+into its own pool, so a block altered anywhere between the two pools (in
+either process, or on a link whose CRC was recomputed) is refused; the
+frames' CRC32 only catches accidents, and TLS only guards the wire.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from dataclasses import asdict, dataclass
 from pdd.engine.hashing import hash_blocks
 
 MAGIC = b"PDDKV1"
+BLOCK_DIGEST = "sha256"          # the transfer's meta names the seal, so a receiver can insist on it
+DIGEST_BYTES = 32
 
 
 class KVImportError(ValueError):
@@ -111,3 +120,19 @@ def decode_blob(blob: bytes, local: KVLayout) -> tuple[KVManifest, list[int], li
     if len(body) != n * len(indices) or any(not 0 <= i < len(hashes) for i in indices):
         raise KVImportError("KV blob payload size or block indices do not match its header")
     return manifest, indices, [body[i * n : (i + 1) * n] for i in range(len(indices))]
+
+
+def seal_block(payload: bytes) -> bytes:
+    """digest (32) | payload."""
+    return hashlib.sha256(payload).digest() + payload
+
+
+def open_block(sealed: bytes, index: int) -> bytes:
+    """The payload of a sealed block, or KVImportError if it does not match its digest."""
+    view = memoryview(sealed)
+    if len(view) < DIGEST_BYTES:
+        raise KVImportError(f"KV block {index}: {len(view)} bytes, too short to carry its SHA-256")
+    if hashlib.sha256(view[DIGEST_BYTES:]).digest() != view[:DIGEST_BYTES]:
+        raise KVImportError(f"KV block {index} fails its end-to-end SHA-256 check (altered after the sender "
+                            f"read it); refused")
+    return bytes(view[DIGEST_BYTES:])

@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--name", help="instance name to run")
     g.add_argument("--router", action="store_true", help="run the router")
     p.add_argument("--secret-file", required=True, help="file holding the deployment's shared secret")
+    p.add_argument("--tls-dir", default=None,
+                   help="certificate directory (ca.crt, NAME.crt, NAME.key; default: the file's [tls] dir)")
     p.add_argument("--cache", default=None, help="model cache dir (default $PDD_CACHE or ~/.cache/pdd)")
     p.add_argument("--override", default=None, help="JSON overrides of the deployment file (used by pdd bench)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -40,12 +42,13 @@ def run(args: argparse.Namespace) -> int:
     secret = read_secret(args.secret_file)
     cache = Path(args.cache) if args.cache else default_cache_dir()
     model_dir = resolve_model_path(spec.model, cache)
+    tls_dir = Path(args.tls_dir) if args.tls_dir else spec.tls.dir
     if args.router:
         from pdd.server.api_keys import collect_api_keys
 
         keys = collect_api_keys(spec, args.api_key, os.environ)   # the one place keys are read
-        return asyncio.run(_serve_router(spec, secret, model_dir, keys))
-    return asyncio.run(_serve_instance(spec, spec.instance(args.name), secret, model_dir))
+        return asyncio.run(_serve_router(spec, secret, model_dir, keys, tls_dir))
+    return asyncio.run(_serve_instance(spec, spec.instance(args.name), secret, model_dir, tls_dir))
 
 
 async def _wait_for_signal() -> None:
@@ -56,13 +59,14 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
-async def _serve_instance(spec, inst, secret: bytes, model_dir: Path) -> int:
+async def _serve_instance(spec, inst, secret: bytes, model_dir: Path, tls_dir: Path | None) -> int:
     import torch
 
     from pdd.engine.engine import Engine
     from pdd.model.loader import load_model
     from pdd.model.tokenizer import Tokenizer
     from pdd.server.instance import InstanceServer
+    from pdd.transport.tls import http_tls
 
     if inst.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {inst.cpu % os.cpu_count()})
@@ -73,9 +77,10 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path) -> int:
     except Exception:   # a token-id-only model (tiny test model) still serves ids
         tok = None
     engine = Engine(model, cfg, inst.engine, tokenizer=tok)
-    server = InstanceServer(spec, inst, secret, engine)
+    server = InstanceServer(spec, inst, secret, engine, tls_dir)
     runner = await server.start()
-    print(f"{inst.name} ({inst.role.value}) ready on http://{inst.host}:{inst.port}", flush=True)
+    scheme = "https" if http_tls(spec, inst) else "http"
+    print(f"{inst.name} ({inst.role.value}) ready on {scheme}://{inst.host}:{inst.port}", flush=True)
     try:
         await _wait_for_signal()
     finally:
@@ -84,16 +89,24 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path) -> int:
     return 0
 
 
-async def _serve_router(spec, secret: bytes, model_dir: Path, api_keys: frozenset[str]) -> int:
+async def _serve_router(spec, secret: bytes, model_dir: Path, api_keys: frozenset[str],
+                        tls_dir: Path | None) -> int:
     from aiohttp import web
 
     from pdd.model.loader import read_model_config
     from pdd.model.tokenizer import Tokenizer
+    from pdd.deploy.spec import ROUTER_CERT_NAME
     from pdd.server.api_keys import ApiKeys
     from pdd.server.router import RouterServer
+    from pdd.transport.tls import TlsError, TlsFiles, router_peers, uses_tls
 
+    peers = {}
+    if uses_tls(spec):
+        if tls_dir is None:
+            raise TlsError(f"TLS is on (tls.mode = {spec.tls.mode.value}): pass --tls-dir or set [tls] dir")
+        peers = router_peers(spec, TlsFiles(tls_dir, ROUTER_CERT_NAME))
     router = RouterServer(spec, secret, Tokenizer(model_dir), read_model_config(model_dir), model_dir.name,
-                          ApiKeys(api_keys))
+                          ApiKeys(api_keys), internal_tls=peers)
     runner = web.AppRunner(router.app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, spec.router_host, spec.router_port).start()

@@ -20,13 +20,14 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
-from pdd.deploy.spec import DeploymentSpec, InstanceSpec, Role
+from pdd.deploy.spec import ROUTER_CERT_NAME, DeploymentSpec, InstanceSpec, Role
 from pdd.engine.engine import Engine, InvalidRequestError
 from pdd.engine.hashing import hash_blocks
-from pdd.engine.kv_codec import KVImportError
+from pdd.engine.kv_codec import BLOCK_DIGEST, KVImportError, open_block
 from pdd.engine.request import EngineRequest
 from pdd.keys import DeploymentKeys
 from pdd.policy import PolicyConfig, wait_for_siblings
@@ -35,6 +36,7 @@ from pdd.server.http_auth import internal_auth_middleware
 from pdd.server.instance_metrics import InstanceMetrics
 from pdd.server.prefill_job import PrefillJob
 from pdd.server.wire import NdjsonWriter, sampling_from_dict
+from pdd.transport import tls
 from pdd.transport.kv_receiver import KVReceiver
 from pdd.transport.kv_sender import KVSender
 from pdd.transport.state import TransferStatus
@@ -61,10 +63,23 @@ class KVArrival:
     warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
 
 
+def _tls_peer_middleware(allowed: frozenset[str]):
+    """On a TLS port, /internal/ calls need a client certificate naming an allowed peer
+    (the router): a certificate the CA signed for another instance is refused too."""
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith("/internal/") and not tls.peer_names(request.transport) & allowed:
+            return bad_request("internal calls on this port need the router's TLS client certificate", 403)
+        return await handler(request)
+    return check
+
+
 class InstanceServer:
-    def __init__(self, spec: DeploymentSpec, inst: InstanceSpec, secret: bytes, engine: Engine):
+    def __init__(self, spec: DeploymentSpec, inst: InstanceSpec, secret: bytes, engine: Engine,
+                 tls_dir: Path | None = None):
         self.spec, self.inst, self.engine = spec, inst, engine
         self.keys = DeploymentKeys.derive(secret)   # per purpose; the master secret is not kept
+        self.tls_files = tls.TlsFiles(tls_dir, inst.name) if tls_dir is not None else None
         self.loop: EngineLoop | None = None
         self.receiver: KVReceiver | None = None
         self.sender: KVSender | None = None
@@ -74,8 +89,10 @@ class InstanceServer:
         self.policy = PolicyConfig.from_dict(spec.policy)
         self.kv_reuse = self.policy.enable_drc
         # Bodies are read (up to client_max_size) only after the signature checked out.
-        self.app = web.Application(middlewares=[internal_auth_middleware(self.keys.internal_http, inst.name)],
-                                   client_max_size=64 << 20)
+        middlewares = [internal_auth_middleware(self.keys.internal_http, inst.name)]
+        if tls.http_tls(spec, inst):
+            middlewares.append(_tls_peer_middleware(frozenset({ROUTER_CERT_NAME})))
+        self.app = web.Application(middlewares=middlewares, client_max_size=64 << 20)
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics_endpoint)
@@ -99,15 +116,28 @@ class InstanceServer:
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
         self.loop.on_step = self.metrics.on_events
         self.loop.start()
-        if self.inst.role.decodes:
-            self.receiver = await KVReceiver.start(self.inst.host, self.inst.kv_port, self.keys.kv, self)
-        if self.inst.role == Role.PREFILL:
-            self.sender = KVSender(self.keys.kv)
+        spec, inst = self.spec, self.inst
+        if inst.role.decodes:
+            kv_tls = tls.server_context(self._tls_files()) if tls.kv_tls(spec, inst) else None
+            self.receiver = await KVReceiver.start(inst.host, inst.kv_port, self.keys.kv, self,
+                                                   tls=kv_tls, tls_peers=tls.kv_senders(spec))
+        if inst.role == Role.PREFILL:
+            peers = tls.kv_peers(spec, inst, self._tls_files()) if tls.uses_tls(spec) else {}
+            self.sender = KVSender(self.keys.kv, tls=lambda host, port: peers.get((host, port)), seal_blocks=True)
         runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
-        await web.TCPSite(runner, self.inst.host, self.inst.port).start()
+        http_tls = None
+        if tls.http_tls(spec, inst):
+            http_tls = tls.server_context(self._tls_files(), require_client_cert=False)
+        await web.TCPSite(runner, inst.host, inst.port, ssl_context=http_tls).start()
         asyncio.get_running_loop().create_task(self._expire_arrivals())
         return runner
+
+    def _tls_files(self) -> tls.TlsFiles:
+        if self.tls_files is None:
+            raise tls.TlsError(f"TLS is on (tls.mode = {self.spec.tls.mode.value}) but {self.inst.name} was given "
+                               f"no certificate directory (pdd serve --tls-dir, or [tls] dir)")
+        return self.tls_files
 
     async def close(self) -> None:
         if self.receiver:
@@ -289,6 +319,9 @@ class InstanceServer:
             w.cancel()
 
     async def on_begin(self, request_id: str, meta: dict, block_hashes: list[bytes]) -> set[int]:
+        if meta.get("block_digest") != BLOCK_DIGEST:
+            # Without the per-block seal a block altered before or after the wire could not be told apart.
+            raise KVImportError(f"KV blocks must be sealed with {BLOCK_DIGEST} (got {meta.get('block_digest')!r})")
         a = self._arrival(request_id)
         a.warm = bool(meta.get("warm"))
         a.hashes = list(block_hashes)
@@ -312,6 +345,11 @@ class InstanceServer:
         a = self.arrivals.get(request_id)
         if a is None or a.importer is None:
             raise KVImportError(f"no transfer begun for {request_id}")
+        # The import check: from here to the pool the bytes are an immutable
+        # object, so what passes is what the sender read. A mismatch fails the
+        # transfer (the receiver answers ERROR), so the request takes the
+        # policy's failure path instead of decoding on altered KV.
+        payload = open_block(payload, index)
         # Into the pool as it lands, during the engine's step: at END every
         # block is already there, so a transfer costs no wait for a step.
         self.loop.call_now(lambda e: a.importer.add_block(index, payload))

@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 
 class RouterServer:
     def __init__(self, spec: DeploymentSpec, secret: bytes, tokenizer, model_cfg, served_model: str,
-                 api_keys: ApiKeys | None = None):
+                 api_keys: ApiKeys | None = None, internal_tls: dict | None = None):
         self.spec, self.tokenizer, self.model_cfg = spec, tokenizer, model_cfg
         self.keys = DeploymentKeys.derive(secret)   # per purpose; the master secret is not kept
+        self.internal_tls = internal_tls or {}     # base URL -> TlsPeer (pdd.transport.tls.router_peers)
         self.served_model = served_model
         self.mode = spec.mode
         self.policy = PolicyConfig.from_dict(spec.policy)
@@ -72,7 +73,7 @@ class RouterServer:
     async def _startup(self, app) -> None:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
         self.client = InternalClient.for_deployment(
-            self.spec, self.keys.internal_http, session, self.spec.router_datacenter)
+            self.spec, self.keys.internal_http, session, self.spec.router_datacenter, tls=self.internal_tls)
         self.cluster = Cluster(self.spec, self.client, self.policy)
         await self.cluster.refresh()
         self._poller = asyncio.get_running_loop().create_task(self.cluster.poll_forever())

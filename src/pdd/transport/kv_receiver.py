@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import ssl
 import time
 from dataclasses import dataclass, asdict
 from typing import Any, Protocol
@@ -34,6 +35,7 @@ from pdd.transport.frames import (
 )
 from pdd.transport.state import TransferState, TransferStatus
 from pdd.transport.stream import STREAM_LIMIT_BYTES, FrameStream
+from pdd.transport.tls import peer_names
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,25 @@ async def _call(fn: Any, *args: Any) -> Any:
     return result
 
 
+LINGER_S = 1.0   # after refusing a transfer: how long to discard what the sender still had in flight
+
+
+async def _let_sender_read_error(stream: FrameStream) -> None:
+    """Closing a socket with unread bytes in it sends RST, and a reset can
+    overtake our ERROR frame (in the peer's stack, or in a relay), so the
+    sender would report "connection lost" instead of the reason (e.g. a block
+    that failed its checksum). So: half-close after the ERROR, and read and
+    discard until the sender, which reads while it sends, hangs up."""
+    if stream.writer.can_write_eof():
+        stream.writer.write_eof()
+    try:
+        async with asyncio.timeout(LINGER_S):
+            while await stream.reader.read(1 << 16):
+                pass
+    except (TimeoutError, ConnectionError, OSError):
+        pass
+
+
 class KVReceiver:
     def __init__(self, secret: str | bytes, handler: ReceiverHandler, *,
                  auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
@@ -91,14 +112,21 @@ class KVReceiver:
         self.deadline_grace_s = deadline_grace_s
         self.max_frame_bytes = max_frame_bytes
         self.stats = ReceiverStats()
+        self.tls_peers: frozenset[str] | None = None
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
 
     @classmethod
-    async def start(cls, host: str, port: int, secret: str | bytes, handler: ReceiverHandler, **kwargs: Any) -> "KVReceiver":
+    async def start(cls, host: str, port: int, secret: str | bytes, handler: ReceiverHandler, *,
+                    tls: ssl.SSLContext | None = None, tls_peers: frozenset[str] | None = None,
+                    **kwargs: Any) -> "KVReceiver":
+        """tls: a server context that requires a client certificate (tls.server_context);
+        tls_peers: the certificate names allowed to send (None: any the CA signed)."""
         self = cls(secret, handler, **kwargs)
-        self._server = await asyncio.start_server(self._serve, host, port, limit=STREAM_LIMIT_BYTES)
+        self.tls_peers = tls_peers if tls is not None else None
+        tls_kw = {} if tls is None else {"ssl": tls, "ssl_handshake_timeout": self.auth_timeout_s}
+        self._server = await asyncio.start_server(self._serve, host, port, limit=STREAM_LIMIT_BYTES, **tls_kw)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -127,6 +155,12 @@ class KVReceiver:
         stream = FrameStream(reader, writer, self.max_frame_bytes)
         self.stats.num_connections += 1
         try:
+            if self.tls_peers is not None and not peer_names(writer) & self.tls_peers:
+                # The CA vouched for the certificate, but it names no instance allowed to send KV here.
+                self.stats.num_auth_failures += 1
+                log.warning("kv receiver: dropped %s: certificate for %s may not send KV", stream.peer,
+                            sorted(peer_names(writer)) or "no name")
+                return
             self.num_unauthenticated += 1
             try:
                 await server_handshake(stream, self.secret, self.auth_timeout_s)
@@ -213,9 +247,12 @@ class KVReceiver:
             elif isinstance(e, (ConnectionError, OSError)):
                 msg = f"connection lost: {msg}"
             status.fail(msg, time.monotonic())
-            if not isinstance(e, (ConnectionError, OSError)) and not status.cancelled:
+            refused = not isinstance(e, (ConnectionError, OSError)) and not status.cancelled
+            if refused:
                 stream.write(encode_error(msg))
             await self._finish(status)
+            if refused:
+                await _let_sender_read_error(stream)
             return False
 
     @staticmethod

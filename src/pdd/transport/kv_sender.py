@@ -27,17 +27,22 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import ssl
 import time
 from typing import Awaitable, Callable, Sequence, Union
 
+from pdd.engine.kv_codec import BLOCK_DIGEST, seal_block
 from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, client_handshake
 from pdd.transport.frames import (
     DEFAULT_MAX_FRAME_BYTES, End, Error, FrameError, Have, encode_begin, encode_block, encode_cancel, encode_end,
 )
 from pdd.transport.state import TransferState, TransferStatus
 from pdd.transport.stream import STREAM_LIMIT_BYTES, FrameStream
+from pdd.transport.tls import TlsPeer
 
 BlockSource = Union[Sequence[bytes], Callable[[int], Union[bytes, Awaitable[bytes]]]]
+# (host, port) -> how to reach it over TLS, or None: plain TCP there
+TlsResolver = Callable[[str, int], Union[TlsPeer, None]]
 DEFAULT_DEADLINE_S = 60.0
 MAX_HANDSHAKES_PER_PEER = 8   # below the receiver's DEFAULT_MAX_UNAUTHENTICATED (32)
 
@@ -80,8 +85,14 @@ class KVSender:
     def __init__(self, secret: str | bytes, *, reuse_connections: bool = True, connect_timeout_s: float = 5.0,
                  auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S, idle_keep_s: float = 30.0,
                  max_idle_per_peer: int = 8, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 max_handshakes_per_peer: int = MAX_HANDSHAKES_PER_PEER):
+                 max_handshakes_per_peer: int = MAX_HANDSHAKES_PER_PEER,
+                 tls: TlsResolver | None = None, seal_blocks: bool = False):
+        """tls: which peers speak TLS and the name each must prove. seal_blocks:
+        each BLOCK carries the SHA-256 of its bytes (kv_codec.seal_block), taken
+        as get_block returns them, for the receiver to check at import."""
         self.secret = as_secret(secret)
+        self.tls = tls
+        self.seal_blocks = seal_blocks
         self.reuse_connections = reuse_connections
         self.connect_timeout_s = connect_timeout_s
         self.auth_timeout_s = auth_timeout_s
@@ -138,11 +149,17 @@ class KVSender:
             return await self._connect(host, port)
 
     async def _connect(self, host: str, port: int) -> FrameStream:
+        peer = self.tls(host, port) if self.tls is not None else None
+        tls_kw = {} if peer is None else {"ssl": peer.context, "server_hostname": peer.name,
+                                          "ssl_handshake_timeout": self.connect_timeout_s}
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=STREAM_LIMIT_BYTES), self.connect_timeout_s)
+                asyncio.open_connection(host, port, limit=STREAM_LIMIT_BYTES, **tls_kw), self.connect_timeout_s)
         except asyncio.TimeoutError:
             raise _ConnectFailed(f"cannot connect to {host}:{port}: timed out after {self.connect_timeout_s} s") from None
+        except ssl.SSLError as e:  # the receiver's certificate: another CA, another name, expired
+            raise _ConnectFailed(f"TLS with {host}:{port} (as {peer.name}) refused: "
+                                  f"{getattr(e, 'verify_message', None) or e.reason or e}") from None
         except OSError as e:  # refused, unreachable, unknown host
             reason = "connection refused" if isinstance(e, ConnectionRefusedError) else f"{type(e).__name__}: {e}"
             raise _ConnectFailed(f"cannot connect to {host}:{port}: {reason}") from None
@@ -153,6 +170,9 @@ class KVSender:
         except (asyncio.TimeoutError, TimeoutError):
             stream.abort()
             raise AuthError(f"no CHALLENGE from {host}:{port} within {self.auth_timeout_s} s") from None
+        except ssl.SSLError as e:  # TLS 1.3: the receiver judges our certificate after the handshake
+            stream.abort()
+            raise _ConnectFailed(f"TLS with {host}:{port} refused by the receiver: {e.reason or e}") from None
         except BaseException:
             stream.abort()
             raise
@@ -172,6 +192,8 @@ class KVSender:
         try:
             async with asyncio.timeout(deadline_s):
                 stream = await self._acquire(host, port)
+                if self.seal_blocks:
+                    meta = meta | {"block_digest": BLOCK_DIGEST}
                 status.bytes_sent += stream.write(encode_begin(status.request_id, meta, hashes, deadline_s,
                                                                self.max_frame_bytes))
                 status.state = TransferState.WAITING
@@ -184,18 +206,40 @@ class KVSender:
                     raise _PeerError(f"protocol error: expected HAVE for {len(hashes)} blocks, got {have}")
                 status.num_blocks_skipped = len(have.indices)
                 status.state = TransferState.TRANSFERRING
-                for i, block_hash in enumerate(hashes):
-                    if i in have.indices:
-                        continue
-                    payload = get_block(i)
-                    if inspect.isawaitable(payload):
-                        payload = await payload
-                    status.bytes_sent += stream.write(encode_block(i, block_hash, payload, self.max_frame_bytes))
-                    status.num_blocks_sent += 1
-                    status.payload_bytes += len(payload)
-                    await stream.drain()
-                status.bytes_sent += stream.write(encode_end(status.num_blocks_sent))
-                ack = await stream.read_frame(None)
+                # Read the receiver's answer while sending: a receiver that refuses
+                # mid-transfer (a block failing its seal, a handler error) says why
+                # in an ERROR and closes; stop at once and report that reason, not
+                # the reset our next write would meet.
+                answer = asyncio.ensure_future(stream.read_frame(None))
+                try:
+                    for i, block_hash in enumerate(hashes):
+                        if answer.done():
+                            break
+                        if i in have.indices:
+                            continue
+                        payload = get_block(i)
+                        if inspect.isawaitable(payload):
+                            payload = await payload
+                        wire_payload = seal_block(payload) if self.seal_blocks else payload
+                        status.bytes_sent += stream.write(encode_block(i, block_hash, wire_payload,
+                                                                       self.max_frame_bytes))
+                        status.num_blocks_sent += 1
+                        status.payload_bytes += len(payload)
+                        await stream.drain()
+                    if not answer.done():
+                        status.bytes_sent += stream.write(encode_end(status.num_blocks_sent))
+                    ack = await answer
+                except (ConnectionError, OSError):
+                    await asyncio.sleep(0)       # let a frame that arrived before the reset be read
+                    if answer.done() and not answer.cancelled() and answer.exception() is None \
+                            and isinstance(answer.result(), Error):
+                        raise _PeerError(f"receiver failed transfer: {answer.result().message}") from None
+                    raise
+                finally:
+                    if not answer.done():
+                        answer.cancel()
+                    elif not answer.cancelled():
+                        answer.exception()   # retrieved: a failure is reported by the paths below
                 if isinstance(ack, Error):
                     raise _PeerError(f"receiver failed transfer: {ack.message}")
                 if not isinstance(ack, End) or ack.num_blocks != status.num_blocks_sent:
