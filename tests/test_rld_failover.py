@@ -27,12 +27,25 @@ from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
 from pdd.engine.request import EngineRequest, SamplingParams
 from pdd.model.tokenizer import Tokenizer
+from pdd.policy import RldLossAction, RldLossFacts, on_rld_lost, stalled
 
 pytestmark = pytest.mark.slow
 STALL_S = 2.0
 # 20 Mbit/s: a 400-token prompt's 18 MB take ~7 s to reach MD, long after RLD's
 # first tokens and the stall limit; a 256-token one ~5 s.
 WAN_MBPS = 20.0
+
+
+def test_rld_loss_decision_is_pure_and_prefers_the_live_md_copy():
+    f = lambda **kw: RldLossFacts(**({"md_live": False, "md_available": True, "p_holds_kv": True,
+                                        "md_copy_settled": True} | kw))
+    assert on_rld_lost(f(md_live=True, p_holds_kv=False)) is RldLossAction.TAKE_OVER
+    assert on_rld_lost(f()) is RldLossAction.RESEND
+    assert on_rld_lost(f(p_holds_kv=False)) is RldLossAction.FAIL
+    assert on_rld_lost(f(md_available=False)) is RldLossAction.FAIL
+    # a cancelled P->MD copy still reporting under the same name: no second one
+    assert on_rld_lost(f(md_copy_settled=False)) is RldLossAction.FAIL
+    assert not stalled(None, 100.0, 2.0) and not stalled(98.5, 100.0, 2.0) and stalled(97.9, 100.0, 2.0)
 
 
 def ids(seed: int, n: int) -> list[int]:
