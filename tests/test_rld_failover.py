@@ -30,7 +30,7 @@ from pdd.model.tokenizer import Tokenizer
 from pdd.policy import RldLossAction, RldLossFacts, on_rld_lost, stalled
 
 pytestmark = pytest.mark.slow
-STALL_S = 2.0
+STALL_S = 4.0   # generous enough for MD's first token after a big extend on a loaded box
 # 20 Mbit/s: a 400-token prompt's 18 MB take ~7 s to reach MD, long after RLD's
 # first tokens and the stall limit; a 256-token one ~5 s.
 WAN_MBPS = 20.0
@@ -163,9 +163,10 @@ def test_killed_rld_hands_every_relayed_request_to_md(dep, reference, smollm2_di
     prompts = [ids(10 + k, 256) for k in range(4)]
     # the first alone, so that it is first through P and streams before the kill
     streams = [Stream(dep, prompts[0], n)]
-    wait_until(lambda: streams[0].tokens >= 1 or not streams[0].thread.is_alive(), 120)
+    wait_until(lambda: streams[0].tokens >= 4 or not streams[0].thread.is_alive(), 120)
+    # the others are routed (relay) and still in P's prefill when RLD dies
     streams += [Stream(dep, q, n) for q in prompts[1:]]
-    wait_until(lambda: streams[0].tokens >= 8 or not streams[0].thread.is_alive(), 120)
+    time.sleep(0.5)
     rld = rld_proc(dep)
     os.killpg(rld.pid, signal.SIGKILL)
     with ThreadPoolExecutor(4) as pool:
@@ -176,4 +177,4 @@ def test_killed_rld_hands_every_relayed_request_to_md(dep, reference, smollm2_di
         assert len(tr["token_sources"]) == n and tr["token_sources"][-1] == "md"
     lost = [event(tr, "rld_lost") for tr in traces]
     at = sorted(e["tokens"] for e in lost if e is not None)
-    assert at and at[-1] >= 8 and at[0] == 0, [tr["events"] for tr in traces]
+    assert at and at[-1] >= 4 and at[0] == 0, [tr["events"] for tr in traces]
