@@ -93,6 +93,9 @@ class DeploymentSpec:
     request_timeout_s: float = 300.0
     kv_deadline_s: float = 60.0
     tls: TlsSpec = field(default_factory=TlsSpec)
+    # A decoding instance silent this long while it should stream counts as
+    # gone for that request (RLD -> MD takes over; MD -> RLD carries on).
+    stream_stall_s: float = 30.0
     source: Path | None = None
 
     @property
@@ -218,7 +221,9 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
             raise SpecError(f"{w}: bandwidth must be > 0, latency and jitter >= 0")
         links.append(link)
     timeouts = doc.get("timeouts", {})
-    _unknown(timeouts, {"request_s", "kv_deadline_s"}, "timeouts")
+    _unknown(timeouts, {"request_s", "kv_deadline_s", "stream_stall_s"}, "timeouts")
+    if _take(timeouts, "stream_stall_s", float, "timeouts", 30.0) <= 0:
+        raise SpecError("timeouts.stream_stall_s must be > 0")
     spec = DeploymentSpec(
         name=name, model=_take(model, "path", str, "model", "default"),
         router_host=_take(router, "host", str, "router", "127.0.0.1"),
@@ -229,6 +234,7 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
         instances=tuple(instances), links=tuple(links), policy=dict(doc.get("policy", {})),
         request_timeout_s=_take(timeouts, "request_s", float, "timeouts", 300.0),
         kv_deadline_s=_take(timeouts, "kv_deadline_s", float, "timeouts", 60.0),
+        stream_stall_s=_take(timeouts, "stream_stall_s", float, "timeouts", 30.0),
         tls=_tls(doc.get("tls", {}), source), source=source,
     )
     _check_topology(spec)

@@ -18,16 +18,17 @@ from pdd.policy.pipeline import (
     NoRouteError, Pipeline, PipelineDecision, cancel_wan, choose_pipeline, convert_to_relay_only,
     keep_wan_copy, note_decision, plan_warm,
 )
+from pdd.policy.rld_loss import RldLossAction, RldLossFacts, on_rld_lost, stalled
 from pdd.policy.routing import pick_instance, score_instance, wait_for_siblings
 from pdd.policy.views import ClusterView, InstanceView, LinkEstimate, RequestFacts, Role
 
 __all__ = [
     "Abandon", "ClusterView", "Complete", "EstimatorConfig", "HandoffAction", "HandoffError",
     "HandoffMode", "HandoffOverride", "HandoffSession", "HandoffState", "InstanceView",
-    "LinkEstimate", "LinkEstimator", "NoRouteError", "Pipeline", "PipelineDecision",
+    "LinkEstimate", "LinkEstimator", "NoRouteError", "Pipeline", "PipelineDecision", "RldLossAction", "RldLossFacts",
     "PolicyConfig", "PrefixReuseCounter", "RelayBudgets", "RequestFacts", "Role", "SendBatch",
     "ShareBudget", "cancel_wan", "choose_handoff_mode", "choose_pipeline", "convert_to_relay_only",
-    "in_filter_class", "keep_wan_copy", "new_session", "note_decision", "pick_instance", "plan_warm",
-    "predict_abnormal", "score_instance", "should_cancel_wan", "wait_for_siblings", "warm_after_skip",
+    "in_filter_class", "keep_wan_copy", "new_session", "note_decision", "on_rld_lost", "pick_instance", "plan_warm",
+    "predict_abnormal", "score_instance", "should_cancel_wan", "stalled", "wait_for_siblings", "warm_after_skip",
     "warm_tokens_after_cancel",
 ]
