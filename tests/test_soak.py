@@ -1,4 +1,4 @@
-"""Soak (bounded, in the default suite): ~90 s of concurrent streams through
+"""Soak (bounded, in the default suite): ~80 s of concurrent streams through
 a real PDD deployment (P, RLD, MD over the emulated WAN), a seeded share of
 clients disconnecting mid-stream, half the prompts sharing a prefix. Then,
 on every instance: nothing running, waiting, pinned or held; every block
@@ -30,7 +30,7 @@ from pdd.server.http_auth import sign
 from test_engine import make_engine, prompt
 from test_kv_export import prefill
 
-SOAK_S = 90.0              # load phase
+SOAK_S = 80.0              # load phase
 NUM_CLIENTS = 6
 MAX_REQUESTS = 400         # per soak, a bound beside the time
 DISCONNECT_SHARE = 0.4
@@ -56,10 +56,13 @@ def rss_mb(pid: int) -> float:
 
 
 def at_rest(s: dict) -> list[str]:
-    """What keeps an instance from rest; empty when every block is back."""
+    """What keeps an instance from rest; empty when every block is back.
+    num_arrivals is not checked: a transfer that begins on MD just after its
+    decode call was abandoned leaves a record (unpinned once the transfer
+    fails or ends) until its expiry; its blocks are what count."""
     bad = [f"{k}={s[k]}" for k in ("num_running", "num_waiting", "kv_used_blocks", "kv_pinned_blocks",
                                    "num_pinned_requests", "kv_held_blocks", "num_requests",
-                                   "num_arrivals", "num_jobs") if s.get(k)]
+                                   "num_jobs") if s.get(k)]
     if s["kv_free_blocks"] != s["kv_total_blocks"]:
         bad.append(f"free {s['kv_free_blocks']} of {s['kv_total_blocks']}")
     if s["kv_evictable_blocks"] != s["kv_cached_blocks"]:
@@ -128,7 +131,7 @@ def test_soak_streams_with_disconnects_return_every_block(dep):
     client = openai.OpenAI(base_url=dep.router_url, api_key="x", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
     shared = [random.Random(0).randrange(100, 40000) for _ in range(160)]   # 10 blocks
-    deadline = time.monotonic() + SOAK_S
+    deadline = 0.0       # set once warmed up
     issued = Counter()
     lock = threading.Lock()
 
@@ -169,6 +172,7 @@ def test_soak_streams_with_disconnects_return_every_block(dep):
     before = {name: rss_mb(pid) for name, pid in pids.items()}
 
     t0 = time.monotonic()
+    deadline = t0 + SOAK_S
     with ThreadPoolExecutor(NUM_CLIENTS) as ex:
         results = sum((f.result() for f in [ex.submit(worker, w) for w in range(NUM_CLIENTS)]), Counter())
     load_s = time.monotonic() - t0
@@ -182,10 +186,16 @@ def test_soak_streams_with_disconnects_return_every_block(dep):
     growth = {name: round(after[name] - before[name], 1) for name in pids}
     print(f"\nsoak: {load_s:.0f} s, {dict(results)}, settled in {settle_s:.1f} s; "
           f"RSS MB before {({k: round(v) for k, v in before.items()})}, growth {growth}; "
-          f"cached blocks {({k: s['kv_cached_blocks'] for k, s in stats.items()})}")
+          f"cached blocks {({k: s['kv_cached_blocks'] for k, s in stats.items()})}, "
+          f"arrivals {({k: s['num_arrivals'] for k, s in stats.items() if 'num_arrivals' in s})}")
 
     assert results["finished"] >= 8 and results["disconnected"] >= 4, results
     assert not [k for k in results if k.startswith("error")], results
     assert {k: at_rest(s) for k, s in stats.items() if at_rest(s)} == {}
     assert stats["md0"]["kv_cached_blocks"] > 0      # the prefix cache kept what landed
     assert all(g <= RSS_BOUND_MB for g in growth.values()), growth
+    md = next(i for i in dep.spec.instances if i.name == "md0")
+    with urllib.request.urlopen(f"http://{md.host}:{md.port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'pdd_kv_pinned_blocks{instance="md0",role="main"} 0.0' in text
+    assert f'pdd_kv_evictable_blocks{{instance="md0",role="main"}} {float(stats["md0"]["kv_cached_blocks"])}' in text

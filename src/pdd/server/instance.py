@@ -341,6 +341,11 @@ class InstanceServer:
                 a.done.set_result(status)
             else:
                 a.done.set_exception(RuntimeError(f"KV transfer failed: {status.error}"))
+        if not status.ok:
+            # A broken copy feeds no request (a decode call waiting, or one
+            # still to come, gets the error): unpin what landed now, not at
+            # the record's expiry. It stays in the prefix cache.
+            self._spawn(self.loop.call(lambda e: e._release_pins(request_id)))
 
     async def _expire_arrivals(self) -> None:
         while True:
