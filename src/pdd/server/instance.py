@@ -58,6 +58,7 @@ class KVArrival:
     landed: set = field(default_factory=set)         # indices whose blocks are in the pool
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
+    claimed: bool = False         # a decode call waits for it
 
 
 class InstanceServer:
@@ -341,10 +342,13 @@ class InstanceServer:
                 a.done.set_result(status)
             else:
                 a.done.set_exception(RuntimeError(f"KV transfer failed: {status.error}"))
-        if not status.ok:
+        if not status.ok or not a.claimed:
             # A broken copy feeds no request (a decode call waiting, or one
-            # still to come, gets the error): unpin what landed now, not at
-            # the record's expiry. It stays in the prefix cache.
+            # still to come, gets the error); a copy no decode call waits for
+            # (its caller left before it began, or never reached us) may feed
+            # none. Unpin now, not at the record's expiry: the blocks stay in
+            # the prefix cache, so a decode call that does come late still
+            # finds them (or, if evicted meanwhile, recomputes them).
             self._spawn(self.loop.call(lambda e: e._release_pins(request_id)))
 
     async def _expire_arrivals(self) -> None:
@@ -367,6 +371,7 @@ class InstanceServer:
             return bad_request(str(e))
         timeout_s = float(body.get("kv_timeout_s", self.spec.kv_deadline_s))
         arrival = self._arrival(rid)
+        arrival.claimed = True
         streamed = False
         try:
             async with NdjsonWriter(request) as out:
