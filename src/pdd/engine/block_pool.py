@@ -47,7 +47,13 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
+        """Blocks published under a hash, referenced or not."""
         return len(self.hash_to_block)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks no one references: the prefix cache at rest."""
+        return len(self._evictable)
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free

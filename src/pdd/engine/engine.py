@@ -138,6 +138,9 @@ class Engine:
     def _finish(self, req: EngineRequest, status: RequestStatus) -> None:
         keep = req.keep_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
         self.scheduler.remove(req, keep_blocks=keep)
+        # A request that ends before it ever ran (failed at scheduling) still
+        # holds the pins of its imported KV: nothing else would drop them.
+        self._release_pins(req.request_id)
         req.status = status
 
     def release_kv(self, request_id: str) -> None:
@@ -152,6 +155,7 @@ class Engine:
         req = self.requests.get(request_id)
         if req is not None and req.status.finished:
             self.release_kv(request_id)
+            self._release_pins(request_id)
             del self.requests[request_id]
 
     @property
@@ -302,8 +306,18 @@ class Engine:
             "num_waiting": len(sch.waiting),
             "kv_total_blocks": self.pool.num_blocks,
             "kv_free_blocks": self.pool.num_free,
+            # used: referenced (ref >= 1) by a request, a pin or a finished
+            # keep_kv request. The prefix cache's idle blocks (ref 0) are not
+            # used: they count in free (evictable) and in cached.
             "kv_used_blocks": self.pool.num_used,
             "kv_cached_blocks": self.pool.num_cached,
+            "kv_evictable_blocks": self.pool.num_evictable,
+            # references held by imported KV waiting for its request to run
+            "kv_pinned_blocks": sum(len(b) for b in list(self._pins.values())),
+            "num_pinned_requests": len(self._pins),
+            # records not yet forgotten, and finished ones still holding KV (P's keep_kv)
+            "num_requests": len(self.requests),
+            "kv_held_blocks": sum(len(r.block_ids) for r in list(self.requests.values()) if r.status.finished),
             "prefix_query_tokens": sch.prefix_query_tokens,
             "prefix_hit_tokens": sch.prefix_hit_tokens,
             "prefix_hit_rate": sch.prefix_hit_tokens / sch.prefix_query_tokens if sch.prefix_query_tokens else 0.0,

@@ -59,8 +59,8 @@ class KVArrival:
     skipped: set = field(default_factory=set)        # indices this receiver already held (HAVE)
     landed: set = field(default_factory=set)         # indices whose blocks are in the pool
     ended: asyncio.Event = field(default_factory=asyncio.Event)
-    awaited: bool = False         # a decode call waits on it (under its own timeout): never expire it
     warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
+    claimed: bool = False         # a decode call waits for it (under its own timeout: never expired)
 
 
 def _tls_peer_middleware(allowed: frozenset[str]):
@@ -85,6 +85,7 @@ class InstanceServer:
         self.sender: KVSender | None = None
         self.arrivals: dict[str, KVArrival] = {}
         self.jobs: dict[str, PrefillJob] = {}
+        self._cleanups: set[asyncio.Task] = set()   # fire-and-forget releases, kept referenced
         self.metrics = InstanceMetrics(inst.name, inst.role.value)
         self.policy = PolicyConfig.from_dict(spec.policy)
         self.kv_reuse = self.policy.enable_drc
@@ -162,7 +163,8 @@ class InstanceServer:
         # one step old is fine for load balancing.
         stats = self.engine.stats()
         stats |= {"name": self.inst.name, "role": self.inst.role.value, "datacenter": self.inst.datacenter,
-                  "max_num_seqs": self.engine.cfg.max_num_seqs}
+                  "max_num_seqs": self.engine.cfg.max_num_seqs,
+                  "num_arrivals": len(self.arrivals), "num_jobs": len(self.jobs)}
         return web.json_response(stats)
 
     async def steps(self, request: web.Request) -> web.Response:
@@ -241,12 +243,18 @@ class InstanceServer:
         except (InvalidRequestError, KeyError, TypeError, ValueError) as e:
             self.jobs.pop(str(body.get("request_id")), None)
             return bad_request(str(e))
-        async with NdjsonWriter(request) as out:
-            try:
+        except asyncio.CancelledError:
+            # The router left while the submit went through: without this the
+            # finished prefill would keep its prompt KV (keep_kv) forever.
+            self.jobs.pop(job.request_id, None)
+            self._spawn(job.close())
+            raise
+        try:
+            async with NdjsonWriter(request) as out:
                 await job.run(q, out)
-            finally:
-                self.jobs.pop(job.request_id, None)
-                await job.close()
+        finally:
+            self.jobs.pop(job.request_id, None)
+            await job.close()
         return out.resp
 
     async def send_more(self, request: web.Request) -> web.Response:
@@ -372,6 +380,14 @@ class InstanceServer:
                 a.done.set_result(status)
             else:
                 a.done.set_exception(RuntimeError(f"KV transfer failed: {status.error}"))
+        if not status.ok or not a.claimed:
+            # A broken copy feeds no request (a decode call waiting, or one
+            # still to come, gets the error); a copy no decode call waits for
+            # (its caller left before it began, or never reached us) may feed
+            # none. Unpin now, not at the record's expiry: the blocks stay in
+            # the prefix cache, so a decode call that does come late still
+            # finds them (or, if evicted meanwhile, recomputes them).
+            self._spawn(self.loop.call(lambda e: e._release_pins(request_id)))
 
     async def _expire_arrivals(self) -> None:
         while True:
@@ -380,7 +396,7 @@ class InstanceServer:
             for rid, a in list(self.arrivals.items()):
                 # A decode call may wait longer than this for its KV while P's
                 # queue is long (overload): its own timeout governs it.
-                if (not a.awaited and now - a.created_s > self.spec.kv_deadline_s * 2
+                if (not a.claimed and now - a.created_s > self.spec.kv_deadline_s * 2
                         and rid not in self.engine.requests):
                     self._drop_arrival(rid)
 
@@ -396,33 +412,67 @@ class InstanceServer:
             return bad_request(str(e))
         timeout_s = float(body.get("kv_timeout_s", self.spec.kv_deadline_s))
         arrival = self._arrival(rid)
-        async with NdjsonWriter(request) as out:
-            arrival.awaited = True
-            try:
-                status = await asyncio.wait_for(asyncio.shield(arrival.done), timeout_s)
-            except (asyncio.TimeoutError, RuntimeError) as e:
-                msg = str(e) or f"KV did not arrive within {timeout_s:.1f} s"
-                self._drop_arrival(rid)
-                await out.send({"event": "finished", "reason": "error", "error": msg, "ts": time.time()})
-                return out.resp
-            finally:
-                arrival.awaited = False       # nobody waits now: expiry applies again
-            self.arrivals.pop(rid, None)
-            first = int(status.meta.get("first_token"))
-            await out.send({"event": "kv_ready", "ts": time.time(), "payload_bytes": status.payload_bytes,
-                            "blocks": status.num_blocks_sent, "skipped": status.num_blocks_skipped,
-                            "elapsed_s": status.elapsed_s})
-            if not hold:
-                # P's first token is final: stream it now rather than after the
-                # engine's next step boundary (the submit below waits for one).
-                await out.send({"event": "token", "i": 0, "t": first, "ts": time.time()})
-            try:
-                q = await self.loop.submit(EngineRequest(rid, prompt, sampling, output_ids=[first], hold=hold))
-            except InvalidRequestError as e:
-                await out.send({"event": "finished", "reason": "error", "error": str(e), "ts": time.time()})
-                return out.resp
-            await self._stream_tokens(rid, q, out)
+        arrival.claimed = True
+        streamed = False
+        try:
+            async with NdjsonWriter(request) as out:
+                try:
+                    status = await asyncio.wait_for(asyncio.shield(arrival.done), timeout_s)
+                except (asyncio.TimeoutError, RuntimeError) as e:
+                    msg = str(e) or f"KV did not arrive within {timeout_s:.1f} s"
+                    await out.send({"event": "finished", "reason": "error", "error": msg, "ts": time.time()})
+                    return out.resp
+                self.arrivals.pop(rid, None)
+                first = int(status.meta.get("first_token"))
+                await out.send({"event": "kv_ready", "ts": time.time(), "payload_bytes": status.payload_bytes,
+                                "blocks": status.num_blocks_sent, "skipped": status.num_blocks_skipped,
+                                "elapsed_s": status.elapsed_s})
+                if not hold:
+                    # P's first token is final: stream it now rather than after the
+                    # engine's next step boundary (the submit below waits for one).
+                    await out.send({"event": "token", "i": 0, "t": first, "ts": time.time()})
+                try:
+                    q = await self.loop.submit(EngineRequest(rid, prompt, sampling, output_ids=[first], hold=hold))
+                except InvalidRequestError as e:
+                    await out.send({"event": "finished", "reason": "error", "error": str(e), "ts": time.time()})
+                    return out.resp
+                streamed = True      # from here _stream_tokens aborts and forgets the request
+                await self._stream_tokens(rid, q, out)
+        finally:
+            if not streamed:
+                self._abandon_decode(rid)
         return out.resp
+
+    def _abandon_decode(self, rid: str) -> None:
+        """A decode call ends before its request streams: an error, or its
+        caller went away (the router closes the stream when the client
+        disconnects; aiohttp cancels this handler). Nothing will consume the
+        KV pinned for it, so unpin now instead of at the arrival's expiry
+        (2 x kv_deadline_s; until then those blocks count as used). What
+        landed stays in the prefix cache; a transfer still landing finishes
+        as a warm push (unpinned at its END)."""
+        a = self.arrivals.get(rid)
+        if a is not None and a.importer is not None and a.status is None:
+            a.warm = True
+            if not a.done.done():
+                a.done.set_exception(RuntimeError("decode call ended"))
+                a.done.exception()  # mark retrieved
+        else:
+            self._drop_arrival(rid)
+
+        async def release() -> None:
+            # abort also ends a request whose submit went through as the call
+            # was cancelled, and it drops the pins of an arrival already consumed
+            await self.loop.abort(rid)
+            await self.loop.call(lambda e: e.forget(rid))
+
+        self._spawn(release())
+
+    def _spawn(self, coro) -> None:
+        """Run a release that must outlive a cancelled handler."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     async def extend(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -24,9 +24,14 @@ class InstanceMetrics:
         self.kv_failed = Counter("pdd_kv_failed_transfers", "KV transfers that failed", ln, registry=r).labels(**labels)
         self.kv_seconds = Histogram("pdd_kv_transfer_seconds", "KV transfer duration", ln + ["link"], registry=r,
                                     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
+        # kv_used counts referenced blocks only; the prefix cache at rest is
+        # kv_evictable (inside kv_free). Pinned: imported KV waiting for its
+        # request; held: KV a finished prefill keeps for its transfers. At
+        # idle, used, pinned and held are all 0.
         self.gauges = {k: Gauge(f"pdd_{k}", k.replace("_", " "), ln, registry=r).labels(**labels)
                        for k in ("num_running", "num_waiting", "kv_free_blocks", "kv_used_blocks",
-                                 "kv_cached_blocks", "prefix_hit_rate", "engine_busy_fraction")}
+                                 "kv_cached_blocks", "kv_evictable_blocks", "kv_pinned_blocks",
+                                 "kv_held_blocks", "prefix_hit_rate", "engine_busy_fraction")}
 
     def on_events(self, events: list[StepEvent]) -> None:
         for ev in events:

@@ -121,5 +121,14 @@ class PrefillJob:
         for h in self.transfers.values():
             h.cancel("prefill job closed")
         rid = self.request_id
-        await self.server.loop.call(lambda e: e.forget(rid) if rid in e.requests else None)
-        await self.server.loop.abort(rid)
+        loop = self.server.loop
+
+        async def release() -> None:
+            # Abort first: it ends a prefill still running (client gone) or
+            # frees the KV a finished one kept; forget then drops the record.
+            await loop.abort(rid)
+            await loop.call(lambda e: e.forget(rid))
+
+        # Shielded: a second cancellation of the handler (its connection
+        # lost while it closes) must not leave the KV or the record behind.
+        await asyncio.shield(asyncio.ensure_future(release()))
