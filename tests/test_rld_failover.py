@@ -46,6 +46,8 @@ def test_rld_loss_decision_is_pure_and_prefers_the_live_md_copy():
     # a cancelled P->MD copy still reporting under the same name: no second one
     assert on_rld_lost(f(md_copy_settled=False)) is RldLossAction.FAIL
     assert not stalled(None, 100.0, 2.0) and not stalled(98.5, 100.0, 2.0) and stalled(97.9, 100.0, 2.0)
+    # An instance that still answers the router's polls is queued, not gone.
+    assert not stalled(97.9, 100.0, 2.0, answered_s=99.5) and stalled(97.9, 100.0, 2.0, answered_s=98.9)
 
 
 def ids(seed: int, n: int) -> list[int]:

@@ -43,6 +43,13 @@ def on_rld_lost(f: RldLossFacts) -> RldLossAction:
     return RldLossAction.FAIL
 
 
-def stalled(last_event_s: float | None, now: float, stall_s: float) -> bool:
-    """A stream that should be producing has said nothing for `stall_s`."""
-    return last_event_s is not None and stall_s > 0 and now - last_event_s > stall_s
+def stalled(last_event_s: float | None, now: float, stall_s: float,
+            answered_s: float | None = None) -> bool:
+    """A stream that should be producing has said nothing for `stall_s`, and
+    its instance (when `answered_s`, the last time it answered the router's
+    load poll, is given) has not answered for half that either: a decoder
+    that is alive but queued under overload answers its polls and is only
+    slow; a stopped or wedged one answers nothing."""
+    if last_event_s is None or stall_s <= 0 or now - last_event_s <= stall_s:
+        return False
+    return answered_s is None or now - answered_s > stall_s / 2

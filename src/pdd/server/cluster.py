@@ -30,6 +30,7 @@ class Member:
     view: InstanceView
     healthy: bool = True
     in_flight: int = 0      # dispatched by this router and not yet finished
+    answered_s: float = 0.0  # when it last answered a load poll (time.monotonic())
 
 
 LOCAL_LINE_BITS_S = 4e9
@@ -75,6 +76,7 @@ class Cluster:
                 log.warning("stats from %s failed: %r", m.spec.name, e)
                 return
             m.healthy = True
+            m.answered_s = time.monotonic()
             m.view = replace(m.view, num_running=int(s["num_running"]), num_waiting=int(s["num_waiting"]),
                              kv_free_blocks=int(s["kv_free_blocks"]), kv_total_blocks=int(s["kv_total_blocks"]),
                              step_time_s=s.get("decode_step_s"))

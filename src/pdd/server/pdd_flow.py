@@ -169,8 +169,9 @@ class PddRun:
                 raise FlowError("request deadline exceeded")
             wait = self.ctx.deadline_s - now
             for src, since in self.watched():
-                if stalled(since, now, stall_s):
-                    name = (self.rld if src == "rld" else self.md).spec.name
+                member = self.rld if src == "rld" else self.md
+                if stalled(since, now, stall_s, member.answered_s):
+                    name = member.spec.name
                     return src, {"event": "stalled", "reason": "error",
                                  "error": f"{name} sent nothing for {stall_s:g} s (stream_stall_s)"}
                 wait = min(wait, since + stall_s - now + 0.05)
