@@ -41,9 +41,10 @@ RSS_BOUND_MB = 150         # growth per process over the soak (a leak of ~12 MB/
 def instance_stats(dep: Deployment) -> dict[str, dict]:
     key, out = dep.keys.internal_http, {}
     for inst in dep.spec.instances:
-        req = urllib.request.Request(f"http://{inst.host}:{inst.port}/internal/stats",
+        base, ctx = dep.instance_url(inst.name)      # MD is reached over TLS (another datacenter)
+        req = urllib.request.Request(f"{base}/internal/stats",
                                      headers=sign(key, "GET", "/internal/stats", inst.name))
-        with urllib.request.urlopen(req, timeout=5) as r:
+        with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
             out[inst.name] = json.loads(r.read())
     return out
 
@@ -194,8 +195,8 @@ def test_soak_streams_with_disconnects_return_every_block(dep):
     assert {k: at_rest(s) for k, s in stats.items() if at_rest(s)} == {}
     assert stats["md0"]["kv_cached_blocks"] > 0      # the prefix cache kept what landed
     assert all(g <= RSS_BOUND_MB for g in growth.values()), growth
-    md = next(i for i in dep.spec.instances if i.name == "md0")
-    with urllib.request.urlopen(f"http://{md.host}:{md.port}/metrics", timeout=10) as r:
+    base, ctx = dep.instance_url("md0")
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10, context=ctx) as r:
         text = r.read().decode()
     assert 'pdd_kv_pinned_blocks{instance="md0",role="main"} 0.0' in text
     assert f'pdd_kv_evictable_blocks{{instance="md0",role="main"}} {float(stats["md0"]["kv_cached_blocks"])}' in text
