@@ -188,14 +188,8 @@ class InstanceServer:
         body = await request.json()
         rid = str(body.get("request_id"))
         await self.loop.abort(rid)
-        a = self.arrivals.get(rid)
-        if body.get("keep_kv") and a is not None and a.status is None:
-            # The request is gone but its KV is still landing: let it land into
-            # the prefix cache, as a warm push does (dropped at its END).
-            a.warm = True
-            if not a.done.done():
-                a.done.set_exception(RuntimeError("aborted"))
-                a.done.exception()  # mark retrieved
+        if body.get("keep_kv"):
+            self._let_land(rid, "aborted")
         else:
             self._drop_arrival(rid)
         return web.json_response({"aborted": rid})
@@ -451,14 +445,7 @@ class InstanceServer:
         (2 x kv_deadline_s; until then those blocks count as used). What
         landed stays in the prefix cache; a transfer still landing finishes
         as a warm push (unpinned at its END)."""
-        a = self.arrivals.get(rid)
-        if a is not None and a.importer is not None and a.status is None:
-            a.warm = True
-            if not a.done.done():
-                a.done.set_exception(RuntimeError("decode call ended"))
-                a.done.exception()  # mark retrieved
-        else:
-            self._drop_arrival(rid)
+        self._let_land(rid, "decode call ended")
 
         async def release() -> None:
             # abort also ends a request whose submit went through as the call
@@ -467,6 +454,21 @@ class InstanceServer:
             await self.loop.call(lambda e: e.forget(rid))
 
         self._spawn(release())
+
+    def _let_land(self, rid: str, why: str) -> None:
+        """The request is gone: a transfer still landing for it finishes as a
+        warm push into the prefix cache (unpinned at its END); otherwise the
+        arrival is dropped now. One whose BEGIN has not come yet is dropped
+        too: when it comes, no decode call waits for it, and such a copy is
+        also unpinned at its END, its blocks left in the cache."""
+        a = self.arrivals.get(rid)
+        if a is not None and a.importer is not None and a.status is None:
+            a.warm = True
+            if not a.done.done():
+                a.done.set_exception(RuntimeError(why))
+                a.done.exception()  # mark retrieved
+        else:
+            self._drop_arrival(rid)
 
     def _spawn(self, coro) -> None:
         """Run a release that must outlive a cancelled handler."""
