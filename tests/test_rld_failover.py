@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import threading
 import time
@@ -23,10 +22,8 @@ import openai
 import pytest
 
 from deploy_helpers import deployment_toml
+from test_pdd import ids, reference  # noqa: F401 - the memoised greedy reference, a fixture
 from pdd.deploy.launcher import Deployment
-from pdd.engine.config import EngineConfig
-from pdd.engine.engine import Engine
-from pdd.engine.request import EngineRequest, SamplingParams
 from pdd.model.tokenizer import Tokenizer
 from pdd.policy import RldLossAction, RldLossFacts, on_rld_lost, stalled
 
@@ -49,26 +46,6 @@ def test_rld_loss_decision_is_pure_and_prefers_the_live_md_copy():
     assert not stalled(None, 100.0, 2.0) and not stalled(98.5, 100.0, 2.0) and stalled(97.9, 100.0, 2.0)
     # An instance that still answers the router's polls is queued, not gone.
     assert not stalled(97.9, 100.0, 2.0, answered_s=98.5) and stalled(97.9, 100.0, 2.0, answered_s=97.9)
-
-
-def ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2):
-    model, cfg = smollm2
-
-    def ref(prompt: list[int], n: int) -> list[int]:
-        eng = Engine(model, cfg, EngineConfig(num_blocks=256, max_num_batched_tokens=1024))
-        eng.submit(EngineRequest("r", prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
-        out = []
-        while eng.has_work:
-            out += [e.token_id for e in eng.step() if e.token_id is not None]
-        return out
-
-    return ref
 
 
 @pytest.fixture(scope="module")

@@ -288,10 +288,10 @@ class InstanceServer:
             a.done.exception()  # mark retrieved
         asyncio.get_running_loop().create_task(self.loop.call(lambda e: e._release_pins(rid)))
 
-    def _siblings_bringing(self, request_id: str, hashes: list[bytes]) -> tuple[int, list[KVArrival]]:
-        """(how many of `hashes` that this receiver lacks are on their way in
-        another transfer, those transfers)."""
-        wanted = {h for h in hashes if not self.engine.pool.holds(h)}
+    def _siblings_bringing(self, request_id: str, wanted: set[bytes]) -> tuple[int, list[KVArrival]]:
+        """(how many of the `wanted` hashes, those this receiver lacks, are on
+        their way in another transfer, those transfers)."""
+        wanted = set(wanted)
         count, siblings = 0, []
         for rid, b in self.arrivals.items():
             if rid == request_id or b.importer is None or b.status is not None:
@@ -311,9 +311,9 @@ class InstanceServer:
         sibling only means the blocks are sent after all."""
         if not self.kv_reuse:
             return
-        lacking = sum(1 for h in hashes if not self.engine.pool.holds(h))
-        coming, siblings = self._siblings_bringing(request_id, hashes)
-        if not siblings or not wait_for_siblings(lacking, coming, self.policy):
+        lacking = {h for h in hashes if not self.engine.pool.holds(h)}
+        coming, siblings = self._siblings_bringing(request_id, lacking)
+        if not siblings or not wait_for_siblings(len(lacking), coming, self.policy):
             return
         waits = [asyncio.ensure_future(b.ended.wait()) for b in siblings]
         done, pending = await asyncio.wait(waits, timeout=self.spec.kv_deadline_s / 2)
