@@ -34,6 +34,16 @@ class Role(str, enum.Enum):
         return self in (Role.DECODE, Role.RELAY, Role.MAIN)
 
 
+class Backend(str, enum.Enum):
+    """The engine behind an instance. Chosen as `backend` in the `[engine]`
+    table (or an instance's `engine = { ... }`): that table already holds the
+    engine's settings (block size, pool size, batch limits, threads, dtype),
+    which both backends read, so the choice sits beside them; a top-level
+    `engine = "vllm"` would clash with the `[engine]` table in TOML."""
+    PDD = "pdd"      # our embedded engine (pdd.engine): the default
+    VLLM = "vllm"    # vLLM as a library, KV moved by the PDD connector (pdd.vllm)
+
+
 @dataclass(frozen=True)
 class InstanceSpec:
     name: str
@@ -45,6 +55,7 @@ class InstanceSpec:
     cost_per_hour: float = 1.0
     cpu: int | None = None            # pin the process to this core
     engine: EngineConfig = field(default_factory=EngineConfig)
+    backend: Backend = Backend.PDD
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,11 @@ class DeploymentSpec:
         return "pd-local" if d_dcs <= p_dcs else "pd-wan"
 
     @property
+    def backend(self) -> Backend:
+        """The one engine backend every instance runs (checked at load)."""
+        return self.instances[0].backend if self.instances else Backend.PDD
+
+    @property
     def cost_per_hour(self) -> float:
         return sum(i.cost_per_hour for i in self.instances) + sum(l.cost_per_hour for l in self.links)
 
@@ -146,11 +162,22 @@ def _unknown(d: dict, allowed: set[str], where: str) -> None:
         raise SpecError(f"{where}: unknown field(s) {sorted(extra)}; allowed: {sorted(allowed)}")
 
 
-def _engine(d: dict, base: EngineConfig, where: str) -> EngineConfig:
+def _engine(d: dict, base: tuple[EngineConfig, Backend], where: str) -> tuple[EngineConfig, Backend]:
+    """An engine table over `base`: (settings, backend)."""
+    if not isinstance(d, dict):
+        raise SpecError(f"{where} must be a table of engine settings")
+    d = dict(d)
+    backend = base[1]
+    if "backend" in d:
+        b = d.pop("backend")
+        try:
+            backend = Backend(b)
+        except ValueError:
+            raise SpecError(f"{where}.backend must be one of {[x.value for x in Backend]}, got {b!r}") from None
     names = {f.name for f in fields(EngineConfig)}
-    _unknown(d, names, where)
+    _unknown(d, names | {"backend"}, where)
     try:
-        return replace(base, **d)
+        return replace(base[0], **d), backend
     except (TypeError, ValueError) as e:
         raise SpecError(f"{where}: {e}") from None
 
@@ -170,7 +197,7 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
     if not isinstance(model, dict):
         raise SpecError("model must be a table with a `path` field")
     _unknown(model, {"path"}, "model")
-    base_engine = _engine(doc.get("engine", {}), EngineConfig(), "engine")
+    base_engine = _engine(doc.get("engine", {}), (EngineConfig(), Backend.PDD), "engine")
     router = doc.get("router", {})
     _unknown(router, {"host", "port", "datacenter", "api_keys_file", "api_key_env", "max_traces"}, "router")
     keys_file = _take(router, "api_keys_file", str, "router", None)
@@ -187,7 +214,7 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
         raise SpecError("instances: at least one [[instances]] entry is required")
     for k, d in enumerate(raw):
         w = f"instances[{k}]"
-        _unknown(d, {f.name for f in fields(InstanceSpec)}, w)
+        _unknown(d, {f.name for f in fields(InstanceSpec)} - {"backend"}, w)
         role_s = _take(d, "role", str, w)
         try:
             role = Role(role_s)
@@ -199,11 +226,12 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
         cost = _take(d, "cost_per_hour", float, w, 1.0)
         if cost < 0:
             raise SpecError(f"{w}.cost_per_hour must be >= 0")
+        engine, backend = _engine(d.get("engine", {}), base_engine, f"{w}.engine")
         instances.append(InstanceSpec(
             name=_take(d, "name", str, w), role=role, datacenter=_take(d, "datacenter", str, w, "A"),
             host=_take(d, "host", str, w, "127.0.0.1"), port=_port(d, "port", w),
             kv_port=_port(d, "kv_port", w), cost_per_hour=cost, cpu=cpu,
-            engine=_engine(d.get("engine", {}), base_engine, f"{w}.engine"),
+            engine=engine, backend=backend,
         ))
     links = []
     for k, d in enumerate(doc.get("links", [])):
@@ -282,6 +310,7 @@ def _check_topology(spec: DeploymentSpec) -> None:
     ports = [(i.host, p) for i in spec.instances for p in (i.port, i.kv_port)] + [(spec.router_host, spec.router_port)]
     if len(set(ports)) != len(ports):
         raise SpecError("instances: every port (port, kv_port, router.port) must be distinct")
+    _check_backends(spec)
     roles = {i.role for i in spec.instances}
     if Role.COLOCATED in roles and roles != {Role.COLOCATED}:
         raise SpecError("instances: colocated instances cannot be mixed with other roles")
@@ -301,6 +330,26 @@ def _check_topology(spec: DeploymentSpec) -> None:
     for k, l in enumerate(spec.links):
         if l.a not in dcs | {spec.router_datacenter} or l.b not in dcs:
             raise SpecError(f"links[{k}] joins unknown datacenters {l.a!r}-{l.b!r}")
+
+
+def _check_backends(spec: DeploymentSpec) -> None:
+    """One backend per deployment: KV moves between instances as whole blocks
+    of the engine's own layout (ours: token-major pages of `block_size`;
+    vLLM's CPU cache: per head, K rows then V rows, in blocks of a multiple
+    of 32), and the block hashes that DRC and the HAVE handshake compare are
+    taken at one block size. Two backends could exchange neither."""
+    by_backend: dict[Backend, list[str]] = {}
+    for i in spec.instances:
+        by_backend.setdefault(i.backend, []).append(i.name)
+    if len(by_backend) > 1:
+        said = "; ".join(f"{b.value}: {', '.join(names)}" for b, names in by_backend.items())
+        raise SpecError(f"instances: a deployment runs one engine backend for every instance, got {said}. "
+                        f"Set `backend` once in [engine] (KV layouts and block sizes differ between engines, "
+                        f"so KV cannot move between them)")
+    sizes = {i.engine.block_size for i in spec.instances}
+    if len(sizes) > 1:
+        raise SpecError(f"instances: every instance needs the same engine.block_size (block hashes and KV "
+                        f"transfers are per block), got {sorted(sizes)}")
 
 
 def link_overrides(wan_mbps: float | None) -> dict | None:
