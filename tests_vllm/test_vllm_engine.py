@@ -1,0 +1,87 @@
+"""VllmEngine: vLLM behind our Engine's verbs (submit / step / abort /
+forget / stats / step_log), and vLLM's prefix cache read by block content."""
+
+from __future__ import annotations
+
+import random
+
+from pdd.engine.engine import InvalidRequestError
+from pdd.engine.request import EngineRequest, RequestStatus, SamplingParams
+
+import pytest
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def drain(engine, rids: set[str]) -> dict[str, list]:
+    events = {r: [] for r in rids}
+    for _ in range(2000):
+        if not engine.has_work:
+            break
+        for ev in engine.step():
+            if ev.request_id in events:
+                events[ev.request_id].append(ev)
+    return events
+
+
+def test_streamed_tokens_equal_vllms_own_greedy_run(ref_engine, greedy):
+    prompts = {f"a{k}": ids(k, n) for k, n in enumerate((40, 150, 333))}
+    for rid, p in prompts.items():
+        ref_engine.submit(EngineRequest(rid, p, SamplingParams(max_tokens=12, ignore_eos=True)))
+    events = drain(ref_engine, set(prompts))
+    for rid, p in prompts.items():
+        evs = events[rid]
+        assert [e.token_id for e in evs] == greedy(p, 12)
+        assert [e.index for e in evs] == list(range(12))      # one event a token, in order
+        assert evs[-1].finished and evs[-1].finish_reason == "length"
+        assert not any(e.finished for e in evs[:-1])
+        assert ref_engine.requests[rid].status == RequestStatus.FINISHED_LENGTH
+        ref_engine.forget(rid)
+        assert rid not in ref_engine.requests
+
+
+def test_prefix_cache_is_read_by_content_and_reported_as_cached_tokens(ref_engine, greedy):
+    from pdd.vllm.prefix import VllmPrefixIndex
+
+    index = VllmPrefixIndex(ref_engine.llm.engine_core.engine_core, 32)
+    p = ids(7, 200)
+    assert index.matched_tokens(p) == 0
+    ref_engine.submit(EngineRequest("pc1", p, SamplingParams(max_tokens=2, ignore_eos=True)))
+    drain(ref_engine, {"pc1"})
+    assert index.matched_tokens(p) == 192                       # the 6 full blocks of 32
+    assert index.matched_tokens(p[:100]) == 96
+    assert index.matched_tokens(p[:64] + ids(8, 100)) == 64    # diverges in block 3
+    assert index.matched_tokens(ids(9, 200)) == 0
+    ref_engine.submit(EngineRequest("pc2", p + [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True)))
+    drain(ref_engine, {"pc2"})
+    assert ref_engine.requests["pc2"].num_cached_tokens == 192
+
+
+def test_abort_ends_a_request_and_bad_requests_are_refused(ref_engine):
+    ref_engine.submit(EngineRequest("ab1", ids(11, 50), SamplingParams(max_tokens=500, ignore_eos=True)))
+    ref_engine.step()
+    assert ref_engine.abort("ab1") is True
+    assert ref_engine.requests["ab1"].status == RequestStatus.FINISHED_ABORTED
+    events = drain(ref_engine, {"ab1"})
+    assert not any(e.token_id is not None for e in events["ab1"])   # nothing after the abort
+    assert not ref_engine.has_work
+    with pytest.raises(InvalidRequestError, match="duplicate"):
+        ref_engine.submit(EngineRequest("ab1", [1, 2], SamplingParams()))
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        ref_engine.submit(EngineRequest("ab2", [1, 10**9], SamplingParams()))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        ref_engine.submit(EngineRequest("ab3", [], SamplingParams()))
+
+
+def test_stats_and_step_log_describe_the_engine(ref_engine):
+    s = ref_engine.stats()
+    assert s["backend"] == "vllm"
+    assert s["kv_total_blocks"] == 511 and 0 < s["kv_free_blocks"] <= 511
+    assert s["num_running"] == 0 and s["num_waiting"] == 0
+    assert s["prefix_hit_tokens"] >= 192 and 0 < s["prefix_hit_rate"] < 1
+    assert ref_engine.step_log and all(r.wall_s > 0 for r in ref_engine.step_log)
+    assert any(r.num_prefill_tokens > 0 for r in ref_engine.step_log)
+    assert s["decode_step_s"] is not None and s["decode_step_s"] > 0
