@@ -20,12 +20,14 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import InvalidRequestError, StepEvent, StepRecord
+from pdd.engine.hashing import hash_blocks
+from pdd.engine.kv_codec import KVLayout, KVManifest
 from pdd.engine.request import EngineRequest, RequestStatus, SamplingParams
 from pdd.model.config import ModelConfig
 
@@ -43,9 +45,29 @@ class VllmRequestRecord:
     """What the instance reads of a request after vLLM has it."""
     request_id: str
     num_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)   # what vLLM was given: prompt + tokens made elsewhere
     status: RequestStatus = RequestStatus.RUNNING
     num_cached_tokens: int = 0
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0                            # counts the tokens made elsewhere too
+    keep_kv: bool = False
+    started: bool = False                                 # its first step with output has been seen
+
+    @property
+    def block_ids(self) -> list[int]:
+        """vLLM blocks a finished prefill holds (the connector's record)."""
+        from pdd.vllm.connector import HUB
+
+        return HUB.held.get(self.request_id, [])
+
+
+class _BlockReader:
+    """engine.runner.read_block for PrefillJob: whole vLLM blocks via the connector hub."""
+
+    @staticmethod
+    def read_block(block_id: int) -> bytes:
+        from pdd.vllm.connector import HUB
+
+        return HUB.read_block(block_id)
 
 
 def engine_kwargs(model_dir: Path, cfg: EngineConfig, model_cfg: ModelConfig) -> dict[str, Any]:
@@ -68,14 +90,16 @@ def engine_kwargs(model_dir: Path, cfg: EngineConfig, model_cfg: ModelConfig) ->
     )
 
 
-def vllm_sampling(sp: SamplingParams):
-    """Our SamplingParams as vLLM's, streaming each step's new tokens (DELTA)."""
+def vllm_sampling(sp: SamplingParams, max_tokens: int, kv_params: dict | None = None):
+    """Our SamplingParams as vLLM's, streaming each step's new tokens (DELTA);
+    kv_params: the PDD connector's per-request instructions."""
     from vllm import SamplingParams as VSP
     from vllm.sampling_params import RequestOutputKind
 
-    return VSP(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed,
+    return VSP(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed,
                stop=list(sp.stop) or None, stop_token_ids=list(sp.stop_token_ids) or None,
-               ignore_eos=sp.ignore_eos, output_kind=RequestOutputKind.DELTA)
+               ignore_eos=sp.ignore_eos, output_kind=RequestOutputKind.DELTA,
+               extra_args={"kv_transfer_params": kv_params} if kv_params else None)
 
 
 def prepare_process(num_threads: int) -> None:
@@ -102,11 +126,23 @@ class VllmEngine:
         self.pool_lock = threading.RLock()
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
+        self.runner = _BlockReader()
+        # Its own model id: vLLM's block layout is not ours, so neither engine
+        # may take the other's KV (the receiver checks the layout's model id,
+        # and block hashes are namespaced by it).
+        self.layout = KVLayout(f"{model_cfg.model_id}/vllm", cfg.dtype, cfg.block_size,
+                               model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim)
 
     @classmethod
-    def build(cls, model_dir: Path, cfg: EngineConfig, model_cfg: ModelConfig, **extra: Any) -> "VllmEngine":
-        """`extra`: more EngineArgs (kv_transfer_config for the PDD connector)."""
+    def build(cls, model_dir: Path, cfg: EngineConfig, model_cfg: ModelConfig, connector: bool = False,
+              **extra: Any) -> "VllmEngine":
+        """connector: load the PDD KV connector (every role that moves KV);
+        `extra`: more EngineArgs."""
         prepare_process(cfg.num_threads)
+        if connector:
+            from pdd.vllm.connector import kv_transfer_config
+
+            extra = {"kv_transfer_config": kv_transfer_config()} | extra
         from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -124,23 +160,53 @@ class VllmEngine:
 
     # -- requests ---------------------------------------------------------------------
     def submit(self, req: EngineRequest) -> None:
+        """A request, with the tokens made elsewhere (`output_ids`: P's first
+        token, RLD's eager tokens) appended to the prompt: vLLM computes them
+        in the same pass as the prompt's uncached part and samples after them.
+        KV staged for it by the receiver is loaded through the connector."""
+        from pdd.vllm.connector import HOLD, HUB, LOAD
+
         rid = req.request_id
         if rid in self.requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         if not req.prompt_ids:
             raise InvalidRequestError("prompt is empty")
-        bad = [t for t in req.prompt_ids if not (isinstance(t, int) and 0 <= t < self.model_cfg.vocab_size)]
+        if req.hold:
+            raise InvalidRequestError("held requests (the catch-up extend) are not supported on the vLLM backend yet")
+        tokens = list(req.prompt_ids) + list(req.output_ids)
+        bad = [t for t in tokens if not (isinstance(t, int) and 0 <= t < self.model_cfg.vocab_size)]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model_cfg.vocab_size})")
+        max_tokens = req.sampling.max_tokens - len(req.output_ids)
+        if max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens {req.sampling.max_tokens} leaves nothing to generate after "
+                                      f"{len(req.output_ids)} given tokens")
+        kv = None
+        if req.keep_kv:
+            kv = {"pdd_id": rid, "pdd_role": HOLD}
+        elif rid in HUB.staged:
+            kv = {"pdd_id": rid, "pdd_role": LOAD}
         try:
-            self.llm.add_request(rid, {"prompt_token_ids": list(req.prompt_ids)}, vllm_sampling(req.sampling))
+            self.llm.add_request(rid, {"prompt_token_ids": tokens}, vllm_sampling(req.sampling, max_tokens, kv))
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(str(e)) from None
-        self.requests[rid] = VllmRequestRecord(rid, len(req.prompt_ids))
+        self.requests[rid] = VllmRequestRecord(rid, len(tokens), tokens, num_output_tokens=len(req.output_ids),
+                                               keep_kv=req.keep_kv)
+
+    # -- KV (the prefill side's export, through the connector) -----------------------
+    def kv_manifest(self, request_id: str, num_tokens: int | None = None) -> KVManifest:
+        """Identity and our hashes of the full blocks a finished prefill holds."""
+        rec = self.requests[request_id]
+        n = len(rec.token_ids) if num_tokens is None else min(num_tokens, len(rec.token_ids))
+        nblk = min(n // self.cfg.block_size, len(rec.block_ids))
+        ids = rec.token_ids[:nblk * self.cfg.block_size]
+        return KVManifest(self.layout, tuple(ids), tuple(hash_blocks(ids, self.cfg.block_size,
+                                                                     self.layout.model_id.encode())))
 
     def abort(self, request_id: str) -> bool:
         rec = self.requests.get(request_id)
         if rec is None or rec.status.finished:
+            self._release_kv(request_id)
             return False
         self.llm.abort_request([request_id])
         rec.status = RequestStatus.FINISHED_ABORTED
@@ -149,11 +215,22 @@ class VllmEngine:
     def forget(self, request_id: str) -> None:
         rec = self.requests.get(request_id)
         if rec is not None and rec.status.finished:
+            self._release_kv(request_id)
             del self.requests[request_id]
+
+    def _release_kv(self, request_id: str) -> None:
+        from pdd.vllm.connector import HUB
+
+        HUB.release(request_id)      # a finished prefill's held blocks: freed at the next step
+        HUB.unstage(request_id)
 
     @property
     def has_work(self) -> bool:
-        return self.llm.has_unfinished_requests()
+        from pdd.vllm.connector import HUB
+
+        # A release is carried out by vLLM's next step (the worker reports the
+        # blocks sent), so one pending is work even with no request running.
+        return self.llm.has_unfinished_requests() or HUB.has_pending_frees
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
@@ -167,7 +244,8 @@ class VllmEngine:
             if rec is None or rec.status.finished:
                 continue
             comp = out.outputs[0]
-            if rec.num_output_tokens == 0 and comp.token_ids:
+            if not rec.started and comp.token_ids:
+                rec.started = True
                 rec.num_cached_tokens = int(out.num_cached_tokens or 0)
                 self._prefix_query_tokens += rec.num_prompt_tokens
                 self._prefix_hit_tokens += rec.num_cached_tokens
@@ -208,6 +286,9 @@ class VllmEngine:
             "prefix_query_tokens": q, "prefix_hit_tokens": h, "prefix_hit_rate": h / q if q else 0.0,
             "num_steps": self.num_steps, "decode_step_s": self.recent_decode_step_s(),
             "backend": "vllm",
+            # blocks the PDD connector loaded into vLLM from landed transfers
+            # (not computed here: what a receiver's KV saved it)
+            "kv_loaded_blocks": _hub_loaded_blocks(),
         }
 
     def recent_decode_step_s(self, window: int = 32) -> float | None:
@@ -215,5 +296,16 @@ class VllmEngine:
         return sum(xs) / len(xs) if xs else None
 
     def _release_pins(self, request_id: str) -> None:
-        """Our engine pins imported KV until its request runs; vLLM's blocks
-        are held by the connector instead, so there is nothing to unpin here."""
+        """Our engine pins imported KV until its request runs; here the landed
+        blocks wait in the connector's staging area, dropped when no request
+        of that id runs (the transfer failed, or its decode call went away)."""
+        if request_id not in self.requests:
+            from pdd.vllm.connector import HUB
+
+            HUB.unstage(request_id)
+
+
+def _hub_loaded_blocks() -> int:
+    from pdd.vllm.connector import HUB
+
+    return sum(HUB.loaded_blocks.values())

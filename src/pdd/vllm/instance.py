@@ -1,13 +1,17 @@
 """An instance process whose engine is vLLM (`pdd serve` of a vLLM deployment).
 
 The HTTP side is our InstanceServer unchanged (signed internal API, NDJSON
-token streams, /metrics, /internal/steps); EngineLoop drives a VllmEngine on
-its thread as it drives our Engine. What differs is answered here:
-`match` asks vLLM's prefix cache.
+token streams, prefill jobs and their transfers, /metrics, /internal/steps);
+EngineLoop drives a VllmEngine on its thread as it drives our Engine. What
+differs is answered here:
+  match     vLLM's prefix cache, read by block content (prefix.py)
+  receiver  BEGIN is answered HAVE from vLLM's prefix cache; blocks land in
+            a staging list (not in vLLM's pool: vLLM owns its blocks), which
+            the connector loads when the decode request is scheduled.
 
-Roles: colocated runs. prefill / decode / relay / main need the PDD KV
-connector (pdd.vllm.connector, in progress) and are refused at start with a
-clear error until it moves KV.
+Roles: colocated, prefill and decode (pd-local, pd-wan) run. relay / main
+(PDD's handoff, whose catch-up mode holds a request between extend batches)
+are refused at start until the vLLM side of extend is done.
 """
 
 from __future__ import annotations
@@ -18,13 +22,29 @@ from pathlib import Path
 from aiohttp import web
 
 from pdd.deploy.spec import DeploymentSpec, InstanceSpec, Role
+from pdd.engine.kv_codec import BLOCK_DIGEST, KVImportError, KVManifest, open_block
 from pdd.server.instance import InstanceServer
+from pdd.transport.state import TransferStatus
 from pdd.vllm.engine import VllmEngine
 from pdd.vllm.prefix import VllmPrefixIndex
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ROLES = frozenset({Role.COLOCATED})
+SUPPORTED_ROLES = frozenset({Role.COLOCATED, Role.PREFILL, Role.DECODE})
+
+
+class StagedTransfer:
+    """One incoming transfer's blocks, by index, until its request is submitted."""
+
+    def __init__(self, manifest: KVManifest, block_bytes: int):
+        self.manifest = manifest
+        self.block_bytes = block_bytes
+        self.payloads: list[bytes | None] = [None] * len(manifest.block_hashes)
+
+    def add_block(self, index: int, payload: bytes) -> None:
+        if len(payload) != self.block_bytes:
+            raise KVImportError(f"KV block {index} has {len(payload)} bytes, expected {self.block_bytes}")
+        self.payloads[index] = payload
 
 
 class VllmInstanceServer(InstanceServer):
@@ -37,12 +57,47 @@ class VllmInstanceServer(InstanceServer):
         ids = (await request.json()).get("prompt_ids", [])
         return web.json_response({"matched_tokens": self.prefix.matched_tokens([int(t) for t in ids])})
 
+    # -- receiver --------------------------------------------------------------------
+    async def on_begin(self, request_id: str, meta: dict, block_hashes: list[bytes]) -> set[int]:
+        from pdd.vllm.connector import HUB
+
+        if meta.get("block_digest") != BLOCK_DIGEST:
+            raise KVImportError(f"KV blocks must be sealed with {BLOCK_DIGEST} (got {meta.get('block_digest')!r})")
+        manifest = KVManifest.from_meta(meta, block_hashes)
+        manifest.check_against(self.engine.layout)     # model, layout, and hashes re-derived from the token ids
+        a = self._arrival(request_id)
+        a.warm = bool(meta.get("warm"))
+        a.hashes = list(block_hashes)
+        a.importer = StagedTransfer(manifest, HUB.block_bytes)
+        # What vLLM's prefix cache holds need not cross. Not pinned: if vLLM
+        # evicts it before the request runs, the connector loads what landed
+        # up to the gap and vLLM recomputes the rest (slower, still right).
+        held = self.prefix.cached_blocks(manifest.token_ids) if self.kv_reuse else []
+        a.skipped = set(range(len(held)))
+        return a.skipped
+
+    async def on_block(self, request_id: str, index: int, block_hash: bytes, payload: bytes) -> None:
+        a = self.arrivals.get(request_id)
+        if a is None or a.importer is None:
+            raise KVImportError(f"no transfer begun for {request_id}")
+        a.importer.add_block(index, open_block(payload, index))
+        a.landed.add(index)
+
+    async def on_end(self, request_id: str, status: TransferStatus) -> None:
+        from pdd.vllm.connector import HUB
+
+        a = self.arrivals.get(request_id)
+        if a is not None and status.ok and not a.warm and a.importer is not None:
+            # Staged before the decode call (woken by the base class) submits.
+            HUB.stage(request_id, a.importer.payloads)
+        await super().on_end(request_id, status)
+
 
 def build_engine(inst: InstanceSpec, model_dir: Path) -> VllmEngine:
     from pdd.model.loader import read_model_config
 
     if inst.role not in SUPPORTED_ROLES:
-        raise SystemExit(f"{inst.name}: role {inst.role.value} on the vLLM backend needs the PDD KV connector, "
-                         f"which is not finished; the vLLM backend serves "
-                         f"{sorted(r.value for r in SUPPORTED_ROLES)} for now")
-    return VllmEngine.build(model_dir, inst.engine, read_model_config(model_dir))
+        raise SystemExit(f"{inst.name}: role {inst.role.value} is not served on the vLLM backend yet (PDD's "
+                         f"extend handoff is in progress); it serves {sorted(r.value for r in SUPPORTED_ROLES)}")
+    return VllmEngine.build(model_dir, inst.engine, read_model_config(model_dir),
+                            connector=inst.role != Role.COLOCATED)
