@@ -79,9 +79,44 @@ def test_abort_ends_a_request_and_bad_requests_are_refused(ref_engine):
 def test_stats_and_step_log_describe_the_engine(ref_engine):
     s = ref_engine.stats()
     assert s["backend"] == "vllm"
-    assert s["kv_total_blocks"] == 511 and 0 < s["kv_free_blocks"] <= 511
+    assert s["kv_total_blocks"] == 512 and 0 < s["kv_free_blocks"] <= 512
     assert s["num_running"] == 0 and s["num_waiting"] == 0
     assert s["prefix_hit_tokens"] >= 192 and 0 < s["prefix_hit_rate"] < 1
     assert ref_engine.step_log and all(r.wall_s > 0 for r in ref_engine.step_log)
     assert any(r.num_prefill_tokens > 0 for r in ref_engine.step_log)
     assert s["decode_step_s"] is not None and s["decode_step_s"] > 0
+
+
+def test_a_held_request_takes_extend_batches_and_continues_the_greedy_sequence(ref_engine, greedy):
+    p = ids(30, 150)
+    want = greedy(p, 14)
+    ref_engine.submit(EngineRequest("h1", p, SamplingParams(max_tokens=14, ignore_eos=True),
+                                    output_ids=[want[0]], hold=True))
+    assert ref_engine.requests["h1"].status == RequestStatus.HELD
+    ref_engine.extend("h1", want[1:5], final=False)          # a catch-up batch: taken, nothing sampled
+    evs = drain(ref_engine, {"h1"})["h1"]
+    assert [(e.extended_upto, e.token_id) for e in evs] == [(5, None)]
+    ref_engine.extend("h1", want[5:8], final=True)           # the final batch: one pass, then sampling
+    evs = drain(ref_engine, {"h1"})["h1"]
+    assert [e.index for e in evs] == list(range(8, 14))      # no duplicated or missing index
+    assert [e.token_id for e in evs] == want[8:]
+    assert evs[-1].finished and evs[-1].finish_reason == "length"
+    ref_engine.forget("h1")
+
+
+def test_pause_and_resume_lose_no_token(ref_engine, greedy):
+    p = ids(31, 120)
+    want = greedy(p, 12)
+    ref_engine.submit(EngineRequest("pr1", p, SamplingParams(max_tokens=12, ignore_eos=True)))
+    got = []
+    while len(got) < 4:
+        got += [e.token_id for e in ref_engine.step() if e.request_id == "pr1" and e.token_id is not None]
+    ref_engine.extend("pr1", [], final=False)                 # RLD paused for the final batch
+    assert not ref_engine.has_work
+    ref_engine.extend("pr1", [])                              # MD failed: RLD carries on
+    evs = drain(ref_engine, {"pr1"})["pr1"]
+    assert [e.index for e in evs] == list(range(len(got), 12))
+    assert got + [e.token_id for e in evs] == want
+    with pytest.raises(InvalidRequestError, match="finished"):
+        ref_engine.extend("pr1", [1])
+    ref_engine.forget("pr1")

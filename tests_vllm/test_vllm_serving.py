@@ -101,7 +101,7 @@ def test_internal_api_answers_match_stats_steps_and_metrics(colocated):
     assert json.loads(call("POST", "/internal/match", {"prompt_ids": p}))["matched_tokens"] == 128
     assert json.loads(call("POST", "/internal/match", {"prompt_ids": ids(5, 130)}))["matched_tokens"] == 0
     stats = json.loads(call("GET", "/internal/stats"))
-    assert stats["backend"] == "vllm" and stats["role"] == "colocated" and stats["kv_total_blocks"] == 511
+    assert stats["backend"] == "vllm" and stats["role"] == "colocated" and stats["kv_total_blocks"] == 512
     steps = json.loads(call("GET", "/internal/steps"))["steps"]
     assert steps and any(s["num_prefill_tokens"] > 0 for s in steps)
     with urllib.request.urlopen(f"http://{c0.host}:{c0.port}/metrics", timeout=10) as r:

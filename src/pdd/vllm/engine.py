@@ -51,6 +51,8 @@ class VllmRequestRecord:
     num_output_tokens: int = 0                            # counts the tokens made elsewhere too
     keep_kv: bool = False
     started: bool = False                                 # its first step with output has been seen
+    sampling: SamplingParams | None = None
+    in_vllm: bool = False                                 # vLLM runs it now (not held, not finished)
 
     @property
     def block_ids(self) -> list[int]:
@@ -77,7 +79,10 @@ def engine_kwargs(model_dir: Path, cfg: EngineConfig, model_cfg: ModelConfig) ->
     otherwise reserves a fraction of the whole machine's memory."""
     max_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
                   model_cfg.max_position_embeddings, cfg.num_blocks * cfg.block_size)
-    kv_bytes = cfg.num_blocks * cfg.block_size * model_cfg.kv_bytes_per_token(_DTYPE_BYTES[cfg.dtype])
+    # One block more than asked: vLLM keeps block 0 as its null block, so
+    # `num_blocks` stay usable, as in our engine (and the router's limits).
+    num_blocks = cfg.num_blocks + 1
+    kv_bytes = num_blocks * cfg.block_size * model_cfg.kv_bytes_per_token(_DTYPE_BYTES[cfg.dtype])
     return dict(
         model=str(model_dir), tokenizer=str(model_dir), dtype=cfg.dtype, block_size=cfg.block_size,
         # Compiling takes 60-97 s per start here (and again on every start);
@@ -85,7 +90,7 @@ def engine_kwargs(model_dir: Path, cfg: EngineConfig, model_cfg: ModelConfig) ->
         enforce_eager=True,
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         enable_chunked_prefill=True, max_model_len=max_len, enable_prefix_caching=cfg.enable_prefix_cache,
-        num_gpu_blocks_override=cfg.num_blocks, kv_cache_memory_bytes=kv_bytes,
+        num_gpu_blocks_override=num_blocks, kv_cache_memory_bytes=kv_bytes,
         seed=0, disable_log_stats=True,
     )
 
@@ -127,6 +132,7 @@ class VllmEngine:
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
         self.runner = _BlockReader()
+        self._pending: list[StepEvent] = []     # events made between steps (extend batches taken)
         # Its own model id: vLLM's block layout is not ours, so neither engine
         # may take the other's KV (the receiver checks the layout's model id,
         # and block hashes are namespaced by it).
@@ -171,33 +177,81 @@ class VllmEngine:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         if not req.prompt_ids:
             raise InvalidRequestError("prompt is empty")
-        if req.hold:
-            raise InvalidRequestError("held requests (the catch-up extend) are not supported on the vLLM backend yet")
         tokens = list(req.prompt_ids) + list(req.output_ids)
         bad = [t for t in tokens if not (isinstance(t, int) and 0 <= t < self.model_cfg.vocab_size)]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model_cfg.vocab_size})")
-        max_tokens = req.sampling.max_tokens - len(req.output_ids)
-        if max_tokens < 1:
+        if req.sampling.max_tokens - len(req.output_ids) < 1:
             raise InvalidRequestError(f"max_tokens {req.sampling.max_tokens} leaves nothing to generate after "
                                       f"{len(req.output_ids)} given tokens")
+        rec = VllmRequestRecord(rid, len(tokens), tokens, num_output_tokens=len(req.output_ids),
+                                keep_kv=req.keep_kv, sampling=req.sampling)
+        if req.hold:
+            # Held (MD in a relay pipeline): vLLM sees it at the final extend,
+            # prompt + every token made elsewhere in one pass.
+            rec.status = RequestStatus.HELD
+        else:
+            self._to_vllm(rec)
+        self.requests[rid] = rec
+
+    def _to_vllm(self, rec: VllmRequestRecord) -> None:
+        """Hand a request to vLLM: all its known tokens as the prompt; KV staged
+        for it (landed transfers) loaded through the connector."""
+        from pdd.vllm.connector import HOLD, HUB, LOAD
+
         kv = None
-        if req.keep_kv:
-            kv = {"pdd_id": rid, "pdd_role": HOLD}
-        elif rid in HUB.staged:
-            kv = {"pdd_id": rid, "pdd_role": LOAD}
+        if rec.keep_kv:
+            kv = {"pdd_id": rec.request_id, "pdd_role": HOLD}
+        elif rec.request_id in HUB.staged:
+            kv = {"pdd_id": rec.request_id, "pdd_role": LOAD}
+        max_tokens = rec.sampling.max_tokens - rec.num_output_tokens
         try:
-            self.llm.add_request(rid, {"prompt_token_ids": tokens}, vllm_sampling(req.sampling, max_tokens, kv))
+            self.llm.add_request(rec.request_id, {"prompt_token_ids": list(rec.token_ids)},
+                                 vllm_sampling(rec.sampling, max_tokens, kv))
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(str(e)) from None
-        self.requests[rid] = VllmRequestRecord(rid, len(tokens), tokens, num_output_tokens=len(req.output_ids),
-                                               keep_kv=req.keep_kv)
+        rec.status, rec.in_vllm, rec.started = RequestStatus.RUNNING, True, False
+        rec.num_prompt_tokens = len(rec.token_ids)
+
+    def extend(self, request_id: str, token_ids: list[int], final: bool = True) -> None:
+        """Tokens made elsewhere (RLD's eager tokens) for a held request; with
+        final=False it stays held for more. extend(id, [], final=False) pauses
+        a running request (vLLM drops it; its blocks stay in the prefix
+        cache) and extend(id, []) resumes it: a new vLLM request over the same
+        tokens, which finds them cached but the last partial block."""
+        rec = self.requests.get(request_id)
+        if rec is None:
+            raise InvalidRequestError(f"unknown request id {request_id!r}")
+        if rec.status.finished:
+            raise InvalidRequestError(f"request {request_id!r} has finished")
+        bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool)
+                                            and 0 <= t < self.model_cfg.vocab_size)]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model_cfg.vocab_size})")
+        if rec.in_vllm:
+            if token_ids or final:
+                raise InvalidRequestError("a running request on the vLLM backend can only be paused (extend [] "
+                                          "with final=false)")
+            self.llm.abort_request([request_id])
+            rec.in_vllm, rec.status = False, RequestStatus.HELD
+            return
+        rec.token_ids.extend(token_ids)
+        rec.num_output_tokens += len(token_ids)
+        if rec.num_output_tokens >= rec.sampling.max_tokens:
+            raise InvalidRequestError(f"extending to {rec.num_output_tokens} outputs leaves nothing to generate "
+                                      f"(max_tokens {rec.sampling.max_tokens})")
+        if final:
+            self._to_vllm(rec)
+        else:
+            # Computed at the final extend, not now: report the batch taken.
+            self._pending.append(StepEvent(request_id, extended_upto=rec.num_output_tokens))
 
     # -- KV (the prefill side's export, through the connector) -----------------------
     def kv_manifest(self, request_id: str, num_tokens: int | None = None) -> KVManifest:
         """Identity and our hashes of the full blocks a finished prefill holds."""
         rec = self.requests[request_id]
-        n = len(rec.token_ids) if num_tokens is None else min(num_tokens, len(rec.token_ids))
+        # vLLM computed the prompt it was given, not the token it sampled last
+        n = rec.num_prompt_tokens if num_tokens is None else min(num_tokens, rec.num_prompt_tokens)
         nblk = min(n // self.cfg.block_size, len(rec.block_ids))
         ids = rec.token_ids[:nblk * self.cfg.block_size]
         return KVManifest(self.layout, tuple(ids), tuple(hash_blocks(ids, self.cfg.block_size,
@@ -208,8 +262,9 @@ class VllmEngine:
         if rec is None or rec.status.finished:
             self._release_kv(request_id)
             return False
-        self.llm.abort_request([request_id])
-        rec.status = RequestStatus.FINISHED_ABORTED
+        if rec.in_vllm:
+            self.llm.abort_request([request_id])
+        rec.status, rec.in_vllm = RequestStatus.FINISHED_ABORTED, False
         return True
 
     def forget(self, request_id: str) -> None:
@@ -217,6 +272,12 @@ class VllmEngine:
         if rec is not None and rec.status.finished:
             self._release_kv(request_id)
             del self.requests[request_id]
+
+    @staticmethod
+    def _frees_pending() -> bool:
+        from pdd.vllm.connector import HUB
+
+        return HUB.has_pending_frees
 
     def _release_kv(self, request_id: str) -> None:
         from pdd.vllm.connector import HUB
@@ -230,18 +291,18 @@ class VllmEngine:
 
         # A release is carried out by vLLM's next step (the worker reports the
         # blocks sent), so one pending is work even with no request running.
-        return self.llm.has_unfinished_requests() or HUB.has_pending_frees
+        return self.llm.has_unfinished_requests() or HUB.has_pending_frees or bool(self._pending)
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
         start, t0 = time.time(), time.perf_counter()
-        outputs = self.llm.step()
+        events, self._pending = self._pending, []
+        outputs = self.llm.step() if self.llm.has_unfinished_requests() or self._frees_pending() else []
         wall = time.perf_counter() - t0
-        events: list[StepEvent] = []
         num_prefill = num_decode = 0
         for out in outputs:
             rec = self.requests.get(out.request_id)
-            if rec is None or rec.status.finished:
+            if rec is None or not rec.in_vllm:
                 continue
             comp = out.outputs[0]
             if not rec.started and comp.token_ids:
@@ -255,7 +316,9 @@ class VllmEngine:
             for tok in comp.token_ids:
                 events.append(StepEvent(rec.request_id, token_id=int(tok), index=rec.num_output_tokens))
                 rec.num_output_tokens += 1
+                rec.token_ids.append(int(tok))
             if out.finished:
+                rec.in_vllm = False
                 rec.status = _FINISH_STATUS.get(comp.finish_reason, RequestStatus.FINISHED_ERROR)
                 reason = comp.finish_reason if comp.finish_reason in _FINISH_STATUS else "error"
                 if events and events[-1].request_id == rec.request_id and events[-1].token_id is not None:
@@ -292,7 +355,11 @@ class VllmEngine:
         }
 
     def recent_decode_step_s(self, window: int = 32) -> float | None:
-        xs = [r.wall_s for r in list(self.step_log)[-4 * window:] if r.num_prefill_tokens == 0][-window:]
+        try:    # read from the HTTP thread while the engine thread appends
+            recent = [self.step_log[-k] for k in range(1, min(len(self.step_log), 4 * window) + 1)]
+        except IndexError:
+            return None
+        xs = [r.wall_s for r in recent if r.num_prefill_tokens == 0][:window]
         return sum(xs) / len(xs) if xs else None
 
     def _release_pins(self, request_id: str) -> None:
@@ -308,4 +375,4 @@ class VllmEngine:
 def _hub_loaded_blocks() -> int:
     from pdd.vllm.connector import HUB
 
-    return sum(HUB.loaded_blocks.values())
+    return sum(list(HUB.loaded_blocks.values()))

@@ -30,7 +30,7 @@ from pdd.vllm.prefix import VllmPrefixIndex
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ROLES = frozenset({Role.COLOCATED, Role.PREFILL, Role.DECODE})
+SUPPORTED_ROLES = frozenset(Role)
 
 
 class StagedTransfer:

@@ -1,0 +1,88 @@
+"""PDD over vLLM: P, RelayDecode and MainDecode are vLLM engines; the
+emulated WAN sits between RLD's datacenter and MD's. A low-hit request
+streams from RLD first and MD takes over by extend (prompt + RLD's eager
+token ids, the held full blocks loaded by the connector) with no duplicated
+or missing token; the next turn goes direct and sends only the new blocks."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+
+import openai
+import pytest
+
+from deploy_helpers import deployment_toml
+from pdd.deploy.launcher import Deployment
+
+KV_BYTES_PER_TOKEN = 46080          # SmolLM2-135M, fp32
+VLLM_ENGINE = {"backend": "vllm", "block_size": 32, "num_blocks": 256, "max_num_seqs": 16,
+               "max_num_batched_tokens": 512}
+NO_BUDGETS = {"relay_only_max_share": 1.0, "relay_max_token_share": 1.0}
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def start(tmp_path_factory, smollm2_dir, name: str, policy: dict, wan_mbps: float) -> Deployment:
+    d = tmp_path_factory.mktemp(name)
+    path = d / "pdd.toml"
+    path.write_text(deployment_toml("pdd", smollm2_dir, wan_mbps=wan_mbps, policy=NO_BUDGETS | policy,
+                                    engine=VLLM_ENGINE))
+    return Deployment.start(path, run_dir=d / "run", timeout_s=300)
+
+
+def run(dep: Deployment, prompt: list[int], n: int, stream: bool = True) -> tuple[str, dict]:
+    client = openai.OpenAI(base_url=dep.router_url, api_key="x", max_retries=0, timeout=300)
+    kw = dict(model=client.models.list().data[0].id, prompt=prompt, max_tokens=n, temperature=0,
+              extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        text, rid = "".join(c.choices[0].text for c in chunks if c.choices), chunks[0].id
+    else:
+        r = client.completions.create(**kw)
+        text, rid = r.choices[0].text, r.id
+    with urllib.request.urlopen(f"{dep.router_url}/requests/{rid}/trace", timeout=30) as f:
+        return text, json.loads(f.read())
+
+
+@pytest.fixture(scope="module", params=["one_shot", "catch_up"])
+def pdd(request, tmp_path_factory, smollm2_dir):
+    policy = {"handoff_mode": request.param, "catchup_threshold_tokens": 8, "catchup_final_max_tokens": 2,
+              "enable_filter": False}
+    dep = start(tmp_path_factory, smollm2_dir, f"vllm-pdd-{request.param}", policy, wan_mbps=40.0)
+    yield dep, request.param
+    dep.stop()
+
+
+def test_relay_hands_over_to_md_by_extend_with_no_lost_or_repeated_token(pdd, greedy, tok):
+    dep, mode = pdd
+    p = ids(1 if mode == "one_shot" else 2, 400)
+    # 12 blocks (18 MB) take ~3.7 s over the 40 Mbit/s line; RLD alone needs
+    # several seconds for 120 tokens, so MD takes over with room to spare.
+    text, tr = run(dep, p, 120)
+    assert text == tok.decode(greedy(p, 120))
+    assert tr["pipeline"] == "relay", tr.get("pipeline_reason")
+    src = tr["token_sources"]
+    assert len(src) == 120 and src[0] == "rld" and src[-1] == "md", src
+    assert src == sorted(src, key=lambda s: s != "rld"), "RLD tokens first, then MD's, no interleaving"
+    assert tr["handoff_mode"] == mode
+    if mode == "one_shot":
+        assert tr["handoff_batches"] == 1
+    assert tr["wan_bytes"] == 400 // 32 * 32 * KV_BYTES_PER_TOKEN      # every full block crossed once
+
+
+def test_next_turn_goes_direct_and_sends_only_new_blocks(pdd, greedy, tok):
+    dep, mode = pdd
+    first = ids(3 if mode == "one_shot" else 4, 320)
+    _, tr1 = run(dep, first, 100)
+    assert tr1["pipeline"] == "relay" and tr1["token_sources"][-1] == "md", tr1["token_sources"]
+    second = first + ids(5, 40)
+    text, tr = run(dep, second, 12, stream=False)
+    assert text == tok.decode(greedy(second, 12))
+    assert tr["pipeline"] == "direct", tr.get("pipeline_reason")
+    assert tr["wan_bytes"] == (360 // 32 - 320 // 32) * 32 * KV_BYTES_PER_TOKEN     # DRC: only what MD lacks
+    assert set(tr["token_sources"]) == {"md"}
