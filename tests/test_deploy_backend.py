@@ -85,3 +85,21 @@ def test_the_vllm_examples_load_without_vllm(name):
 def test_the_embedded_examples_keep_our_engine():
     for path in EXAMPLES.glob("*.toml"):
         assert load_spec(path).backend == Backend.PDD, path
+
+
+def test_vllm_arguments_size_the_pool_from_the_engine_table_without_vllm(tmp_path):
+    from pdd.engine.config import EngineConfig
+    from pdd.model.config import ModelConfig
+    from pdd.vllm.args import engine_kwargs
+
+    mc = ModelConfig(model_id="m", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
+                     rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=0,
+                     eos_token_ids=(1,))
+    kw = engine_kwargs(tmp_path, EngineConfig(block_size=32, num_blocks=64, num_threads=1), mc)
+    # one more block than asked: vLLM keeps block 0 as its null block
+    assert kw["num_gpu_blocks_override"] == 65
+    assert kw["kv_cache_memory_bytes"] == 65 * 32 * mc.kv_bytes_per_token(4)
+    assert kw["max_model_len"] == 64 * 32          # the pool, not the model's 4096, bounds a request
+    assert kw["block_size"] == 32 and kw["enforce_eager"] and kw["enable_prefix_caching"]
+    assert "vllm" not in sys.modules

@@ -9,9 +9,7 @@ differs is answered here:
             a staging list (not in vLLM's pool: vLLM owns its blocks), which
             the connector loads when the decode request is scheduled.
 
-Roles: colocated, prefill and decode (pd-local, pd-wan) run. relay / main
-(PDD's handoff, whose catch-up mode holds a request between extend batches)
-are refused at start until the vLLM side of extend is done.
+Every role runs: colocated without the connector, the others with it.
 """
 
 from __future__ import annotations
@@ -29,8 +27,6 @@ from pdd.vllm.engine import VllmEngine
 from pdd.vllm.prefix import VllmPrefixIndex
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_ROLES = frozenset(Role)
 
 
 class StagedTransfer:
@@ -96,8 +92,5 @@ class VllmInstanceServer(InstanceServer):
 def build_engine(inst: InstanceSpec, model_dir: Path) -> VllmEngine:
     from pdd.model.loader import read_model_config
 
-    if inst.role not in SUPPORTED_ROLES:
-        raise SystemExit(f"{inst.name}: role {inst.role.value} is not served on the vLLM backend yet (PDD's "
-                         f"extend handoff is in progress); it serves {sorted(r.value for r in SUPPORTED_ROLES)}")
     return VllmEngine.build(model_dir, inst.engine, read_model_config(model_dir),
                             connector=inst.role != Role.COLOCATED)
