@@ -89,3 +89,22 @@ def test_next_turn_goes_direct_and_sends_only_new_blocks(pdd, greedy, tok):
     assert tr["pipeline"] == "direct", tr.get("pipeline_reason")
     assert tr["wan_bytes"] == (360 // 32 - 320 // 32) * 32 * KV_BYTES_PER_TOKEN     # DRC: only what MD lacks
     assert set(tr["token_sources"]) == {"md"}
+
+
+def test_wan_cut_mid_transfer_ends_the_request_on_rld(pdd, greedy, tok):
+    import asyncio
+    import threading
+
+    dep, mode = pdd
+    ctl = dep.wan_control()
+    p = ids(6 if mode == "one_shot" else 7, 480)      # 15 blocks, ~4.4 s on the line after ~1-2 s of prefill
+    timer = threading.Timer(3.0, lambda: asyncio.run(ctl.cut("reset")))
+    timer.start()
+    try:
+        text, tr = run(dep, p, 120)
+    finally:
+        timer.join()
+        asyncio.run(ctl.restore())
+    assert text == tok.decode(greedy(p, 120))
+    assert tr["pipeline"] == "relay" and set(tr["token_sources"]) == {"rld"}, tr["token_sources"]
+    assert any(e["name"] == "md_dropped" for e in tr["events"])
