@@ -31,7 +31,7 @@ class Outcome(Enum):
     RELAY = "relay"                          # P -> RLD -> MD (or ended on RLD first)
     RELAY_FILTERED = "relay_filtered"        # the filter kept it off the WAN at routing
     RELAY_CANCELLED = "relay_cancelled"      # the live filter cancelled its WAN copy
-    WAN_DOWN = "relay_wan_down"              # RLD only: no usable MD or WAN
+    WAN_DOWN = "relay_only"                  # RLD only: no usable MD or WAN
     FAILOVER = "direct_failover_relay"       # DIRECT whose MD failed before a token: an RLD decoded
 
     @staticmethod
