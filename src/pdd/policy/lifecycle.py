@@ -173,6 +173,8 @@ class RequestLifecycle(RecoveryRules):
         """Only P matters once the user has the answer: a warm copy landing."""
         if isinstance(f, TransferEnded):
             self.transfers[f.instance_id] = f.ok
+            if f.instance_id == self.md_id and not f.ok:
+                self._out.append(WanFailed())
             self._maybe_release_p()
         elif isinstance(f, PrefillEnded):
             self.p_open = False
@@ -268,7 +270,7 @@ class RequestLifecycle(RecoveryRules):
         if not self.md_live:
             return
         self.md_ready_s = f.now
-        self._note("kv_ready", instance=self.md_id)
+        self._note("kv_ready", instance=self.md_id, payload_bytes=f.payload_bytes)
         if self.takeover_pending:
             self._try_takeover(f.now)
         elif self.owner is Leg.RLD:

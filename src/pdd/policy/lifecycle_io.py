@@ -101,6 +101,7 @@ class KvReady:
     """MD holds the prompt KV (its stream's `kv_ready`)."""
     now: float
     rld: InstanceView | None = None
+    payload_bytes: int | None = None
 
 
 @dataclass(frozen=True)
