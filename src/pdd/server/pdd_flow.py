@@ -61,7 +61,7 @@ class PddRun:
         d = choose_pipeline(facts, c.view(matched, time.monotonic()), c.policy, c.relay_budgets)
         note_decision(c.relay_budgets, d, facts)
         self.decision = d
-        ctx.trace.pipeline, ctx.trace.pipeline_reason = d.pipeline.value, d.reason
+        ctx.trace.pipeline, ctx.trace.pipeline_reason = io.Outcome.of(d).value, d.reason
         ctx.trace.event("pipeline", pipeline=d.pipeline.value, reason=d.reason,
                         missing_bytes=d.missing_bytes, est_wan_s=d.est_wan_s)
         self.members[io.Leg.P] = c.members[d.p_id]
@@ -97,6 +97,7 @@ class PddRun:
             t = self.ctx.trace
             t.eager_tokens = t.rld_tokens
             t.handoff_batches = self.lc.handoff_batches
+            t.pipeline = self.lc.outcome.value          # the filter may have cancelled, failover moved
             for leg in (io.Leg.RLD, io.Leg.MD):
                 if leg in self.members:
                     self.cluster.dispatched(self.members[leg].spec.name, -1)
