@@ -474,15 +474,20 @@ class PddRun:
         rid = self.ctx.request_id
         while isinstance(act, SendBatch):
             self.ctx.trace.handoff_batches += 1
-            if act.final:
-                self.stop_at = act.end
-                await self.post(self.rld, "/internal/extend", {"request_id": rid, "token_ids": [], "final": False})
             toks = self.ctx.tokens[max(act.start, 1): act.end]     # MD already holds token 0 (from P)
             self.md_upto = max(self.md_upto, act.end)
             if toks or act.final:
                 self.last_seen["md_extend"] = time.monotonic()
-                await self.post(self.md, "/internal/extend", {"request_id": rid, "token_ids": toks,
-                                                              "final": act.final})
+                calls = [self.post(self.md, "/internal/extend", {"request_id": rid, "token_ids": toks,
+                                                                 "final": act.final})]
+                if act.final:
+                    # RLD's tokens past stop_at are held back from here on, so
+                    # its pause need not come first: each call waits for its
+                    # instance's step under way, and the two waits overlap.
+                    self.stop_at = act.end
+                    calls.append(self.post(self.rld, "/internal/extend",
+                                           {"request_id": rid, "token_ids": [], "final": False}))
+                await asyncio.gather(*calls)
                 return
             act = self.session.on_batch_extended(time.monotonic(), act.end, len(self.ctx.tokens))
         if isinstance(act, Complete):
@@ -494,10 +499,9 @@ class PddRun:
         t.handoff_s = time.monotonic() - self.md_ready_s if self.md_ready_s else None
         t.event("handoff_complete", stop_at=self.stop_at, batches=t.handoff_batches)
         self.streams.close("rld")
-        if self.rld_lost is not None:
-            self.abort_later(self.rld)
-        else:
-            await self.post(self.rld, "/internal/abort", {"request_id": self.ctx.request_id})
+        # Off the user's path: MD's first token goes out now, not after RLD's
+        # step under way has ended and the abort has been answered.
+        self.abort_later(self.rld)
 
     async def md_failed(self, why: str) -> None:
         """MD or the WAN failed before MD owned the stream: RLD carries on."""
