@@ -94,7 +94,7 @@ def test_relay_one_shot_handoff():
     # RLD's token 5 was already on its way: held back, never shown.
     assert emitted(rld_tokens(lc, 5, 6)) == []
     out = md_tokens(lc, 5, 20)
-    assert Abort(Leg.RLD, "r0", background=False) in out and CloseStream(Leg.RLD) in out
+    assert Abort(Leg.RLD, "r0", background=True) in out and CloseStream(Leg.RLD) in out
     assert emitted(out) == [(i, ref(i), Leg.MD) for i in range(5, 20)]
     assert lc.handle(DecodeEnded(3.0, Leg.MD, EndReason.LENGTH))[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH)
     assert lc.handoff_s == pytest.approx(5.0 - 1.6) and lc.handoff_batches == 1

@@ -331,14 +331,17 @@ class RequestLifecycle(RecoveryRules):
     def _do(self, now: float, act: SendBatch | Complete) -> None:
         while isinstance(act, SendBatch):
             self.handoff_batches += 1
-            if act.final:
-                self.stop_at = act.end
-                self._out.append(PauseRld(self.rld_id))
             toks = self.tokens[max(act.start, 1): act.end]     # MD already holds token 0 (from P)
             self.md_upto = max(self.md_upto, act.end)
             if toks or act.final:
                 self.md_extend_s = now
                 self._out.append(ExtendMd(self.md_id, tuple(toks), act.final))
+                if act.final:
+                    # RLD's tokens past stop_at are held back from here on, so
+                    # the pause need not precede MD's extend: a driver may send
+                    # both at once (each waits for its instance's step under way).
+                    self.stop_at = act.end
+                    self._out.append(PauseRld(self.rld_id))
                 return
             act = self.session.on_batch_extended(now, act.end, len(self.tokens))
         if isinstance(act, Complete):
@@ -349,7 +352,9 @@ class RequestLifecycle(RecoveryRules):
         self.handoff_s = now - self.md_ready_s if self.md_ready_s is not None else None
         self._note("handoff_complete", stop_at=self.stop_at, batches=self.handoff_batches)
         self._close(Leg.RLD)
-        self._out.append(Abort(Leg.RLD, self.rld_id, background=self.rld_lost is not None))
+        # Off the user's path: MD's tokens go out now, not after RLD's step
+        # under way has ended and the abort has been answered.
+        self._out.append(Abort(Leg.RLD, self.rld_id))
 
     # --- output ----------------------------------------------------------------------
     def _emit(self, token: int, source: Leg) -> None:

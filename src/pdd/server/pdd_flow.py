@@ -187,8 +187,16 @@ class PddRun:
 
     # -- commands -> calls ---------------------------------------------------------
     async def apply(self, cmds: list) -> None:
-        for cmd in cmds:
+        i = 0
+        while i < len(cmds):
+            cmd, nxt = cmds[i], cmds[i + 1] if i + 1 < len(cmds) else None
+            if isinstance(cmd, io.ExtendMd) and cmd.final and isinstance(nxt, io.PauseRld):
+                # A final batch: MD's extend and RLD's pause go out together.
+                await asyncio.gather(self.carry_out(cmd), self.carry_out(nxt))
+                i += 2
+                continue
             await self.carry_out(cmd)
+            i += 1
 
     async def carry_out(self, cmd) -> None:
         ctx, c, rid = self.ctx, self.cluster, self.ctx.request_id
