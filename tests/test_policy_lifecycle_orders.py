@@ -19,7 +19,7 @@ DECISIONS = {
     "wan_down": PipelineDecision(Pipeline.RELAY_ONLY, "p0", "r0", None, False, 0, math.inf, "wan down"),
 }
 
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def world(data, faults: int) -> World:
@@ -54,3 +54,38 @@ def test_any_order_with_faults_never_corrupts_the_stream_and_always_ends(data):
         assert len(w.user) == w.num_out
     else:
         assert w.finish.reason is FinishReason.CLIENT_GONE or w.finish.error
+
+
+def _run_killing(name: str, victim: str, at_step: int) -> World:
+    """Run in a fixed order (the first enabled action), killing `victim` before step `at_step`."""
+    cfg = PolicyConfig(catchup_threshold_tokens=2, catchup_final_max_tokens=1)
+    w = World(DECISIONS[name], 10, 16, cfg)
+    for step in range(500):
+        if w.finish is not None:
+            w.num_steps = step
+            return w
+        if step == at_step and w.alive[victim]:
+            w.step(("kill", victim))
+            continue
+        acts = w.actions(faults=False)
+        w.step(acts[0]) if acts else w.idle()
+    raise AssertionError("request did not end")
+
+
+def test_each_instance_gone_at_each_step_ends_cleanly():
+    """P, RLD or MD lost before every step of every pipeline: the request
+    ends, its stream a prefix of the reference, complete when it says so."""
+    num_runs = 0
+    for name in sorted(DECISIONS):
+        clean = _run_killing(name, "p0", 10_000)
+        for victim in ("p0", "r0", "m0"):
+            for at in range(clean.num_steps):
+                w = _run_killing(name, victim, at)
+                num_runs += 1
+                assert w.user == [ref(i) for i in range(len(w.user))], (name, victim, at)
+                if w.finish.reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    assert len(w.user) == w.num_out, (name, victim, at)
+                else:
+                    assert w.finish.error, (name, victim, at)
+                assert not w.used_deadline, (name, victim, at, w.finish)
+    assert num_runs > 100
