@@ -217,6 +217,13 @@ class SimInstance:
         # FCFS; or shortest remaining first, as our engine's scheduler (ties:
         # arrival), where a step that completes prompts carries no chunk of a
         # longer one.
+        if self.short_first and self.cache is not None:
+            # The engine ranks waiting prompts by what they would compute now
+            # (its cache may have grown since they arrived: an earlier
+            # prompt's chunks, a shared system prompt), not at arrival.
+            for job in self.jobs:
+                if not job.started and job.kind is JobKind.PREFILL:
+                    self._rematch(job)
         jobs = sorted(self.jobs, key=lambda j: j.num_tokens - j.done) if self.short_first else self.jobs
         for job in jobs:
             if budget <= 0:
