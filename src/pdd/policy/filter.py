@@ -72,7 +72,7 @@ class ShareBudget:
 
     A short history is no evidence of overuse: a run opens with sessions that
     are all cold, exactly the requests the relay pool exists for. So the
-    budget lends `loan` wholes (of the average size) at the start and takes
+    budget lends `loan` wholes at the start and takes
     the loan back linearly over the `loan / max_share` decisions whose share
     repays it; from then on the bound is the share itself. Pure: the router
     and the simulator feed it the same decisions in the same order and get
@@ -97,12 +97,13 @@ class ShareBudget:
         return sum(w for _, w in self._recent)
 
     def lent(self, whole: float) -> float:
-        """Parts lent beyond the share, for one more decision of `whole`."""
+        """Parts lent beyond the share, for one more decision of `whole`
+        (the loan counts in wholes of the decision at hand: a warm-up probe
+        of a few tokens before the run must not shrink it)."""
         n = self._num_decisions + 1
         if self._repaid_after <= 0 or n >= self._repaid_after:
             return 0.0
-        mean_whole = (self.whole + whole) / (len(self._recent) + 1)
-        return self.loan * mean_whole * (1.0 - n / self._repaid_after)
+        return self.loan * whole * (1.0 - n / self._repaid_after)
 
     def allows(self, part: float, whole: float) -> bool:
         """One more decision of `part` in `whole` keeps the share within the bound."""
