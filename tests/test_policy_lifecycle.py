@@ -160,8 +160,8 @@ def test_live_filter_cancels_the_wan_copy_when_rld_ends_first():
     assert Abort(Leg.MD, "m0") in out and lc.outcome is Outcome.RELAY_CANCELLED
     (note,) = [c for c in out if isinstance(c, Note) and c.event == "filter_cancel"]
     assert note.fields["remaining_wan_s"] == pytest.approx(remaining_wan_s(d, 1.0 - 0.5))
-    # P reports the cancelled copy as failed; the request goes on on RLD.
-    lc.handle(TransferEnded(1.1, "m0", False, "cancelled"))
+    # P reports the cancelled copy as failed: not a WAN failure; the request goes on on RLD.
+    assert lc.handle(TransferEnded(1.1, "m0", False, "cancelled")) == [ReleaseP("p0")]
     out = rld_tokens(lc, 1, 4) + lc.handle(DecodeEnded(2.0, Leg.RLD, EndReason.LENGTH))
     assert out[-1] == Finish(Outcome.RELAY_CANCELLED, FinishReason.LENGTH)
 

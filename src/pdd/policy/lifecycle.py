@@ -75,6 +75,7 @@ class RequestLifecycle(RecoveryRules):
         self.md_extend_s: float | None = None
         self.open_legs: set[Leg] = set()
         self.lost: set[str] = set()
+        self.cancelled: set[str] = set()           # copies we cancelled (P reports them failed)
         self.rld_lost: str | None = None
         self.rld_end: EndReason | None = None      # RLD finished while paused for the final batch
         self.takeover_pending = False
@@ -173,7 +174,7 @@ class RequestLifecycle(RecoveryRules):
         """Only P matters once the user has the answer: a warm copy landing."""
         if isinstance(f, TransferEnded):
             self.transfers[f.instance_id] = f.ok
-            if f.instance_id == self.md_id and not f.ok:
+            if f.instance_id == self.md_id and not f.ok and f.instance_id not in self.cancelled:
                 self._out.append(WanFailed())
             self._maybe_release_p()
         elif isinstance(f, PrefillEnded):
@@ -191,7 +192,8 @@ class RequestLifecycle(RecoveryRules):
     def _on_transfer(self, f: TransferEnded) -> None:
         self.transfers[f.instance_id] = f.ok
         if f.instance_id == self.md_id and not f.ok:
-            self._out.append(WanFailed())
+            if f.instance_id not in self.cancelled:     # our own cancel says nothing of the line
+                self._out.append(WanFailed())
             self._md_failed(f.now, f"WAN KV transfer failed: {f.error}", f.healthy)
         if f.instance_id == self.rld_id and self.owner is Leg.RLD:
             if f.ok:

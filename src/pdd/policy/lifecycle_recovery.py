@@ -78,6 +78,7 @@ class RecoveryRules:
         if self.landing_after == md:
             self.landing_after = None
         self.md_live, self.md_ready_s, self.md_upto = True, None, 1
+        self.cancelled.discard(md)       # a fresh copy (on_rld_lost waited for the old one's end)
         self._note("rld_lost_resend", md=md)
         self._open(Leg.MD, md, hold=True)
         self.transfers[md] = None
@@ -149,6 +150,7 @@ class RecoveryRules:
         self.md_live = False
         self._note("md_dropped", reason=why)
         if self.transfers.get(self.md_id) is None:
+            self.cancelled.add(self.md_id)
             self._out.append(CancelTransfer(self.md_id, why))
         self._close(Leg.MD)
         self._out.append(Abort(Leg.MD, self.md_id))     # a stalled MD must not hold up RLD
