@@ -63,6 +63,7 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path, tls_dir: P
     import torch
 
     from pdd.engine.engine import Engine
+    from pdd.engine.runner import DTYPES
     from pdd.model.loader import load_model
     from pdd.model.tokenizer import Tokenizer
     from pdd.server.instance import InstanceServer
@@ -71,7 +72,7 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path, tls_dir: P
     if inst.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {inst.cpu % os.cpu_count()})
     torch.set_num_threads(inst.engine.num_threads)
-    model, cfg = load_model(model_dir)
+    model, cfg = load_model(model_dir, DTYPES[inst.engine.dtype])
     try:
         tok = Tokenizer(model_dir)
     except Exception:   # a token-id-only model (tiny test model) still serves ids

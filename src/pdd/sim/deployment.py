@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdd.deploy.spec import DeploymentSpec, Role as DeployRole
+from pdd.engine.config import DTYPE_BYTES
 from pdd.policy import PolicyConfig, Role
 from pdd.sim.model_shape import ModelShape, get_model
 from pdd.sim.scenario import LinkSpec, ModeSpec, PoolSpec, ServingOverheads
 
 DEFAULT_MODELS = {"default", "smollm2", ""}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
