@@ -1,6 +1,6 @@
-"""Where a decode step's time goes: `python -m pdd.engine.profile`.
+"""Where a decode step's time goes: `python -m pdd.engine.step_profile`.
 
-    python -m pdd.engine.profile [--dtypes float32,bfloat16] [--batches 1,8,16]
+    python -m pdd.engine.step_profile [--dtypes float32,bfloat16] [--batches 1,8,16]
                                  [--prompt 128] [--steps 24] [--threads 1]
 
 For each dtype and batch: an Engine with `batch` requests of `prompt` random
@@ -87,7 +87,7 @@ def format_rows(rows: list[tuple[str, int, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdd.engine.profile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pdd.engine.step_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--batches", default="1,8,16")
     p.add_argument("--prompt", type=int, default=128)
