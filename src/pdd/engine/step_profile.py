@@ -9,8 +9,10 @@ torch.profiler. Every aten op's self CPU time is put in one bucket by name
 (weight matmuls, attention, KV cache writes and gathers, sampling, dtype
 conversions, other tensor ops); "python" is the step's wall time minus all
 op time (interpreter work in the engine, scheduler, metadata and model code,
-plus the profiler's own per-op cost, so it reads high). Run under `nice` on a
-shared machine and compare only within one run.
+plus the profiler's own per-op cost, so it reads high). On a shared machine
+wall time includes waiting for a core, so a step's time is its process CPU
+time over unprofiled steps (one thread), and the buckets are the profiled
+shares of that time. Compare only within one run.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def bucket(name: str) -> str:
 
 
 def profile_decode(model, mcfg, dtype: str, batch: int, prompt: int, steps: int, seed: int = 0) -> dict:
-    """ms per decode step by bucket, plus the unprofiled step time."""
+    """ms per decode step by bucket (shares of the unprofiled step's CPU time), and that time."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,10 +62,10 @@ def profile_decode(model, mcfg, dtype: str, batch: int, prompt: int, steps: int,
     eng.step()                                   # prefill
     for _ in range(4):                           # warm-up
         eng.step()
-    t0 = time.perf_counter()
+    c0 = time.process_time()
     for _ in range(steps):                       # unprofiled reference
         eng.step()
-    plain_ms = (time.perf_counter() - t0) / steps * 1e3
+    plain_ms = (time.process_time() - c0) / steps * 1e3
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -73,6 +75,8 @@ def profile_decode(model, mcfg, dtype: str, batch: int, prompt: int, steps: int,
     for ev in prof.key_averages():
         out[bucket(ev.key)] += ev.self_cpu_time_total / 1e3 / steps
     out["python"] = max(0.0, wall_ms - sum(out.values()))
+    scale = plain_ms / max(sum(out.values()), 1e-9)
+    out = {k: v * scale for k, v in out.items()}
     return {"buckets_ms": out, "profiled_ms": wall_ms, "step_ms": plain_ms, "tok_s": batch / plain_ms * 1e3}
 
 
