@@ -74,6 +74,25 @@ def model_shape(spec: DeploymentSpec) -> ModelShape:
     return shape_from_config(Path(spec.model) / "config.json", dtype)
 
 
+def calibration_model(preset: str, steps_paths: list[Path]) -> ModelShape:
+    """The model a calibration fits: the preset, and for the embedded model in
+    the dtype its runs served (the deploy.toml saved beside each steps.jsonl),
+    so a bf16 run is fitted with half the weight and KV bytes."""
+    base = get_model(preset)
+    if preset != "smollm2-135m":
+        return base
+    from pdd.deploy.spec import load_spec
+
+    dtypes = set()
+    for p in steps_paths:
+        files = sorted(p.rglob("deploy.toml")) if p.is_dir() else [p.parent / "deploy.toml"]
+        dtypes |= {load_spec(f).instances[0].engine.dtype for f in files if f.is_file()}
+    if len(dtypes) > 1:
+        raise ValueError(f"runs of different engine dtypes cannot share one calibration: {sorted(dtypes)}")
+    n = DTYPE_BYTES[dtypes.pop()] if dtypes else 4
+    return get_model(preset, weight_bytes_per_param=float(n), kv_bytes_per_token=base.kv_bytes_per_token * n // 4)
+
+
 def shape_from_config(path: Path, dtype_bytes: int = 4) -> ModelShape:
     """ModelShape of a dense Llama-style HF config.json."""
     c = json.loads(Path(path).read_text())
