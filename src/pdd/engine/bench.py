@@ -223,8 +223,14 @@ class Worker:
         return ans
 
     def _call(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            code = self.proc.wait()
+            raise RuntimeError(f"worker exited with code {code}"
+                               + (" (killed: out of memory?)" if code == -9 else "")
+                               + f"; its log: {self.log_path}") from None
         return self._read()
 
     def prefill(self, prompt: list[int]) -> tuple[float, float, int]:
