@@ -40,7 +40,7 @@ class VllmBackend:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["OMP_NUM_THREADS"] = str(a.threads)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "0.5")   # GiB: 11K fp32 tokens, ample for 16 x 256
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # GiB (an int): 22K fp32 tokens
         import torch
         import vllm
         from vllm.engine.arg_utils import EngineArgs
