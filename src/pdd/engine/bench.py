@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vs-vllm", action="store_true",
                         help="also time vLLM in each of --dtypes, in a worker process (--vllm-python)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="interpreter of a venv with vLLM")
+    parser.add_argument("--vllm-dtypes", default=None, metavar="D,D",
+                        help="vLLM only in these dtypes (default: --dtypes); each is a ~2.5 GB process")
     parser.add_argument("--vllm-block-size", type=int, default=128)
     parser.add_argument("--baseline-src", default=None, metavar="DIR",
                         help="also time our engine from another checkout (DIR/src), in a worker: before/after")
@@ -266,7 +268,7 @@ def start_workers(args, folder: Path, dtypes: list[str], sizes: dict, budget: in
         if not python.exists():
             raise SystemExit(f"--vs-vllm: no interpreter at {python} (a venv with vLLM; --vllm-python)")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        for d in dtypes:
+        for d in (args.vllm_dtypes.split(",") if args.vllm_dtypes else dtypes):
             plan.append((f"vllm{SHORT[d]}", [str(python), script, "--backend", "vllm", "--dtype", d,
                                              "--block-size", str(args.vllm_block_size)], env))
     if args.baseline_src:
