@@ -1,6 +1,7 @@
 """`pdd bench engine`: our engine against plain HF transformers `generate`, on one CPU.
 
     pdd bench engine --out results/engine.json [--model PATH] [--threads 1] [--repeats 3] [--quick]
+                     [--dtypes float32,bfloat16] [--vs-vllm [--vllm-python P]] [--baseline-src DIR]
 
 Everything is measured in one process, on the same weights (fp32), with the
 same thread count, and repeats are interleaved (ours, then HF, then ours ...)
@@ -32,6 +33,13 @@ so that a noisy neighbour on a shared machine hurts both sides alike.
   share of the step is timed around the per-layer callback. Two block
   layouts: "pool" (as a fresh engine's pool lays out prompts that then
   decoded 64 tokens) and "scattered" (a random permutation: the worst case).
+* other engines side by side (prefill and decode only): `--dtypes` adds
+  ours in bf16 ("ours_bf16"); `--vs-vllm` vLLM in each dtype ("vllm",
+  "vllm_bf16": an in-process V1 LLMEngine, eager, prefix caching on, block
+  size `--vllm-block-size`, one thread) and `--baseline-src DIR` our engine
+  from another checkout ("base", "base_bf16": before/after), each in a
+  worker process (`bench_worker.py`) started once; every repeat times each
+  engine in turn on the same prompts and token counts.
 * every number is wall-clock (the headline); process CPU time is recorded
   beside it (cpu_*) as a cross-check on a shared machine: with one thread it
   leaves out the time the process waited for a core.
