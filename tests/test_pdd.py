@@ -138,7 +138,7 @@ def test_long_prompt_short_output_is_filtered_to_rld(auto, reference, smollm2_di
     p = ids(4, 700)
     text, tr = run(auto, p, 4)
     assert text == tok.decode(reference(p, 4))
-    assert tr["pipeline"] == "relay_only" and tr["pipeline_reason"].startswith("abnormal")
+    assert tr["pipeline"] == "relay_filtered" and tr["pipeline_reason"].startswith("abnormal")
     assert tr["wan_bytes"] == 0 < tr["local_bytes"]
     assert set(tr["token_sources"]) == {"rld"}
 
@@ -174,7 +174,7 @@ def test_filtered_calls_sharing_a_hot_prefix_warm_md(auto, reference, smollm2_di
         text, tr = run(auto, p, 2)
         assert text == tok.decode(reference(p, 2))
         traces.append(tr)
-    assert [t["pipeline"] for t in traces] == ["relay_only"] * 4, [t["pipeline_reason"] for t in traces]
+    assert [t["pipeline"] for t in traces] == ["relay_filtered"] * 4, [t["pipeline_reason"] for t in traces]
     assert [event(t, "warm_md") is not None for t in traces] == [False, False, False, True]
     rid, deadline = traces[3]["request_id"], time.monotonic() + 60
     while time.monotonic() < deadline:          # the push outlives the 2-token answer

@@ -77,34 +77,47 @@ def test_filter_class():
 def test_share_budget_window_and_convert():
     from pdd.policy import ShareBudget
 
-    b = ShareBudget(max_share=0.25, window=8)
-    assert b.allows(1, 1)
-    b.note(1, 1)
-    assert not b.allows(1, 1)        # 2 of at least 4
+    b = ShareBudget(max_share=0.25, window=8)       # no loan: the share from the first decision
+    assert not b.allows(1, 1)        # 1 of 1
+    assert b.allows(0, 1)
     for _ in range(3):
         b.note(0, 1)
+    assert b.allows(1, 1)            # 1 of 4
+    b.note(1, 1)
     assert not b.allows(1, 1)        # 2 of 5
     for _ in range(3):
         b.note(0, 1)
     assert b.allows(1, 1)            # 2 of 8
+    b.note(0, 1)
     b.convert()                      # a counted request became RLD-only
     assert b.part == 2 and not b.allows(1, 1)
     for _ in range(8):
         b.note(0, 1)                 # the window forgets
-    assert b.part == 0 and b.allows(1, 1)
+    assert b.part == 0 and b.allows(2, 1) and not b.allows(3, 1)    # 3 of 9 > 25%
     assert not ShareBudget(0.0, 4).allows(1, 1) and ShareBudget(0.0, 4).allows(0, 1)
     with pytest.raises(ValueError):
         ShareBudget(1.5, 4)
+    with pytest.raises(ValueError):
+        ShareBudget(0.1, 4, loan=-1)
 
 
-def test_share_budget_of_tokens_pads_a_short_history():
+def test_share_budget_lends_at_the_start_and_takes_the_loan_back():
     from pdd.policy import ShareBudget
 
-    b = ShareBudget(max_share=0.1, window=100)
-    assert b.allows(100, 100)        # alone, it counts as 100 of 1,000
+    # 10% with a loan of 2 wholes, repaid over 20 decisions.
+    b = ShareBudget(max_share=0.1, window=100, loan=2.0)
+    assert b.allows(100, 100)        # 100 <= 10 + 2 * 100 * 0.95
     b.note(100, 100)
-    assert not b.allows(100, 100)    # 200 of 1,000
+    assert b.allows(100, 100)        # 200 <= 20 + 2 * 100 * 0.9
+    b.note(100, 100)
+    assert not b.allows(100, 100)    # 300 > 30 + 2 * 100 * 0.85: the loan is spent
     assert b.allows(0, 100)
-    for _ in range(18):
+    for _ in range(17):
+        b.note(0, 100)               # 20 decisions: the loan is over
+    assert b.lent(100) == 0.0
+    assert not b.allows(100, 100)    # 300 of 2,000 (15%)
+    for _ in range(10):
         b.note(0, 100)
-    assert b.allows(100, 100)        # 200 of 2,000
+    assert b.allows(100, 100)        # 300 of 3,000, this one included
+    # Without a loan, a run cannot open with RLD work at all.
+    assert not ShareBudget(max_share=0.1, window=100).allows(100, 100)

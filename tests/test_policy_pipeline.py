@@ -228,8 +228,9 @@ def test_relay_token_budget_sends_low_hit_requests_direct_past_rlds_share():
     assert relays and all(d.rld_tokens == 65 for d in relays)       # ceil(3.25 s / 50 ms)
     # 10 low-hit requests of 65 eager tokens in 30,000 output tokens is 2%: all relayed.
     assert len(relays) == 10
-    # Short answers that end on RLD: the first fills a 5% share, the second goes direct.
-    tight_cfg = PolicyConfig(relay_max_token_share=0.05, relay_only_window=40)
+    # Short answers that end on RLD: the first is the start-up loan of one
+    # request, the second goes direct.
+    tight_cfg = PolicyConfig(relay_max_token_share=0.05, relay_only_window=40, relay_startup_loan=1.0)
     tight, short = RelayBudgets(tight_cfg), req(max_tokens=64)
     first = choose_pipeline(short, slow, tight_cfg, tight)
     note_decision(tight, first, short)

@@ -57,3 +57,18 @@ def test_equal_work_keeps_arrival_order_and_decodes_go_first():
     assert step(s) == {"a": 200}                # completes a: no chunk of b beside it
     out = step(s)                               # a decodes first, then b
     assert list(out) == ["a", "b"] and out == {"a": 1, "b": 200}
+
+
+def test_a_handoffs_final_extend_runs_alone_then_the_batch_resumes():
+    s = make()
+    for k, rid in enumerate(("a", "b", "md")):
+        s.add(req(rid, 40, float(k), base=1000 * (k + 1)))
+    while any(x.num_uncomputed > 1 for x in s.running) or s.waiting:
+        step(s)
+    handed = next(r for r in s.running if r.request_id == "md")
+    # The final batch of a handoff: two token ids RLD produced, to sample after.
+    handed.token_ids.extend([11, 12])
+    handed.hold, handed.urgent = False, True
+    assert step(s) == {"md": 3}              # its last own token and the two, nothing else
+    assert not handed.urgent
+    assert step(s) == {"a": 1, "b": 1, "md": 1}

@@ -28,11 +28,17 @@ def relay_only_share(records) -> float:
     return sum(r.pipeline in ("relay_filtered", "relay_cancelled") for r in records) / len(records)
 
 
-@pytest.mark.parametrize("rate", [agentic.WAN_BOUND.session_rate_per_s, 0.15])
-def test_pdd_stays_pdd_in_the_wan_bound_regime_and_at_twice_ps_capacity(rate):
-    # Open loop: turns arrive on their timetable whatever the queues (0.15
-    # sessions/s is about twice what P can prefill).
-    cfg = dataclasses.replace(agentic.WAN_BOUND, closed_loop=False, session_rate_per_s=rate)
+@pytest.mark.parametrize("rate, turn_interval_s", [
+    (agentic.WAN_BOUND.session_rate_per_s, agentic.WAN_BOUND.turn_interval_s),
+    # About twice what P can prefill: the 100 requests hold ~31K tokens P
+    # lacks, offered within 50 s, and P prefills ~310 tok/s over a run here
+    # (steps.jsonl of the real runs): ~100 s of P's work in 50 s.
+    (0.2, 3.0),
+])
+def test_pdd_stays_pdd_in_the_wan_bound_regime_and_at_twice_ps_capacity(rate, turn_interval_s):
+    # Open loop: turns arrive on their timetable whatever the queues.
+    cfg = dataclasses.replace(agentic.WAN_BOUND, closed_loop=False, session_rate_per_s=rate,
+                              turn_interval_s=turn_interval_s)
     drc, _ = run("pd-wan-drc", cfg)
     pdd, records = run("pdd", cfg)
     assert pdd["num_failed"] == 0 and pdd["num_requests"] == cfg.num_requests

@@ -401,7 +401,8 @@ def test_filtered_requests_with_a_hot_shared_prefix_warm_md():
     reqs.append(WorkloadRequest("n0", 40.0, shared + ids(700, 40), 64))
     wl = Workload("warm", reqs, {"kind": "test"}, 16)
     mode = RuntimeMode("pdd", str(EXAMPLES / "pdd.toml"),
-                       {"policy": {"relay_only_max_share": 1.0, "relay_max_token_share": 1.0}})
+                       {"policy": {"relay_only_max_share": 1.0, "relay_max_token_share": 1.0,
+                                   "filter_min_io_ratio": 100.0}})       # 656 / 2 tokens: in the class
     entry, records, _ = run_runtime_mode(mode, wl, Sla(3.0, 0.25))
     by_id = {r.request_id: r for r in records}
     assert [by_id[f"a{k}"].pipeline for k in range(4)] == ["relay_filtered"] * 4

@@ -5,7 +5,7 @@ real processes, emulated WAN), replayed through `pdd sim`'s runtime path:
 
     r1  fresh 1536-token prompt, 800 tokens    -> relay (+ catch-up handoff)
     r2  r1 + 40 new tokens, 16 tokens          -> direct (MD's DRC holds r1)
-    r3  fresh 1536-token prompt, 4 tokens      -> relay_only, "abnormal" (filter)
+    r3  fresh 1536-token prompt, 4 tokens      -> relay_filtered (the filter)
     r4  r3 + 40 new tokens, 800 tokens         -> relay (r3 never reached MD)
 
 Sizes keep every decision far from its threshold whatever the machine's
@@ -49,11 +49,8 @@ def workload() -> Workload:
 
 
 def real_label(trace: dict) -> str:
-    """The router's trace in the simulator's vocabulary."""
-    p, reason = trace["pipeline"], trace.get("pipeline_reason") or ""
-    if p == "relay_only" and reason.startswith("abnormal"):
-        return "relay_filtered"
-    return p
+    """The router's label: the same `Outcome` the simulator records."""
+    return trace["pipeline"]
 
 
 def run_real(dep, wl: Workload) -> dict[str, tuple[str, str | None]]:

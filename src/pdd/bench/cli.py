@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="agentic: session starts/s; trace: Poisson requests/s instead of timestamps")
     g.add_argument("--open-loop", action="store_true",
                    help="agentic: send turns on a timetable instead of after the previous answer")
+    g.add_argument("--turn-interval", type=float, default=None, metavar="S",
+                   help="agentic: spacing of a session's turns (open loop: the timetable; "
+                        "with --arrival-rate, sets the offered load)")
     g.add_argument("--time-scale", type=float, default=None, help="trace: stretch time by this")
     g.add_argument("--length-scale", type=float, default=None, help="trace: 512-token block -> 512 x this")
     g.add_argument("--max-input-tokens", type=int, default=None)
@@ -109,6 +112,10 @@ def build_workload(args: argparse.Namespace):
             cfg = replace(cfg, num_requests=args.num_requests)
         if args.arrival_rate is not None:
             cfg = replace(cfg, session_rate_per_s=args.arrival_rate)
+        if getattr(args, "turn_interval", None) is not None:
+            if args.turn_interval <= 0:
+                raise SystemExit("--turn-interval must be > 0")
+            cfg = replace(cfg, turn_interval_s=args.turn_interval)
         wl = agentic.generate(cfg, block_size=args.block_size)
     elif args.workload.startswith("trace:"):
         # Quick: 16-token blocks, short outputs; else 32-token blocks, 10x slower time.

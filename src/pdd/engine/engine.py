@@ -114,6 +114,9 @@ class Engine:
                                       f"context limit of {self.max_model_len}")
         req.token_ids.extend(token_ids)
         req.hold = not final
+        # The user waits on a final extend (a handoff's last batch, a
+        # takeover, a resume): the scheduler runs it alone, at once.
+        req.urgent = final
         if final and not token_ids and req.num_uncomputed == 0 and req.num_computed_tokens > 0:
             # resuming a paused request: recompute its last token to get logits again
             req.num_computed_tokens -= 1

@@ -116,6 +116,8 @@ class EngineRequest:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_preemptions: int = 0
     error: str | None = None
+    # A handoff's final extend (or a resume): scheduled alone, at once.
+    urgent: bool = False
 
     def __post_init__(self):
         if not self.token_ids:

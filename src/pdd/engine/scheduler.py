@@ -3,7 +3,9 @@
 Two verbs, as in nano-vllm: `schedule()` builds a StepPlan (which requests
 compute how many tokens this step, under a token budget), and
 `postprocess(plan)` advances their state once the runner has executed it.
-Decodes go first (to protect time per output token). The rest of the budget
+An urgent request (a handoff's final extend, `Engine.extend(final=True)`:
+the user's stream stalls until it samples) gets a step of its own, at once.
+Otherwise decodes go first (to protect time per output token). The rest of the budget
 goes to prompt work, shortest remaining first: running prefill / extend
 chunks and waiting requests (admitted with their longest cached prefix)
 alike, ordered by the tokens they still have to compute (ties by arrival).
@@ -90,6 +92,18 @@ class Scheduler:
         plan = StepPlan()
         budget = self.cfg.max_num_batched_tokens
         in_plan: set[str] = set()
+        # A handoff's final extend runs alone: the user's stream is stalled
+        # until it samples, while the others lose one short step (a lone
+        # 1-2-token extend costs a fraction of a batched step here).
+        urgent = [r for r in self.running if r.urgent and r.num_uncomputed > 0]
+        if urgent:
+            for req in sorted(urgent, key=lambda r: r.arrival_s):
+                need, before = req.num_uncomputed, budget
+                budget = self._run(req, budget, in_plan, plan)
+                if before - budget >= need:
+                    req.urgent = False          # all of it is in this step
+            if plan.seqs:
+                return plan
         decodes = sorted((r for r in self.running if r.num_uncomputed == 1), key=lambda r: r.arrival_s)
         for req in decodes:
             budget = self._run(req, budget, in_plan, plan)

@@ -13,6 +13,8 @@ from pdd.policy.handoff import (
     Abandon, Complete, HandoffAction, HandoffError, HandoffMode, HandoffSession, HandoffState,
     SendBatch, choose_handoff_mode, new_session,
 )
+from pdd.policy.lifecycle import RequestLifecycle, pick_spare
+from pdd.policy.lifecycle_io import Outcome
 from pdd.policy.link_estimator import EstimatorConfig, LinkEstimator
 from pdd.policy.pipeline import (
     NoRouteError, Pipeline, PipelineDecision, cancel_wan, choose_pipeline, convert_to_relay_only,
@@ -25,10 +27,10 @@ from pdd.policy.views import ClusterView, InstanceView, LinkEstimate, RequestFac
 __all__ = [
     "Abandon", "ClusterView", "Complete", "EstimatorConfig", "HandoffAction", "HandoffError",
     "HandoffMode", "HandoffOverride", "HandoffSession", "HandoffState", "InstanceView",
-    "LinkEstimate", "LinkEstimator", "NoRouteError", "Pipeline", "PipelineDecision", "RldLossAction", "RldLossFacts",
+    "LinkEstimate", "LinkEstimator", "NoRouteError", "Outcome", "RequestLifecycle", "Pipeline", "PipelineDecision", "RldLossAction", "RldLossFacts",
     "PolicyConfig", "PrefixReuseCounter", "RelayBudgets", "RequestFacts", "Role", "SendBatch",
     "ShareBudget", "cancel_wan", "choose_handoff_mode", "choose_pipeline", "convert_to_relay_only",
-    "in_filter_class", "keep_wan_copy", "new_session", "note_decision", "on_rld_lost", "pick_instance", "plan_warm",
+    "in_filter_class", "keep_wan_copy", "new_session", "note_decision", "on_rld_lost", "pick_instance", "pick_spare", "plan_warm",
     "predict_abnormal", "score_instance", "should_cancel_wan", "stalled", "wait_for_siblings", "warm_after_skip",
     "warm_tokens_after_cancel",
 ]

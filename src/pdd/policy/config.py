@@ -67,6 +67,11 @@ class PolicyConfig:
     # transfers, a small part of the decoding (the report's RLD emits 6.2%);
     # past it, low-hit requests wait for their WAN copy on MD (DIRECT).
     relay_max_token_share: float = 0.1
+    # ... except at the start: an empty history proves no overuse, and a run
+    # opens with sessions that are all cold, the requests relays exist for.
+    # The token budget lends this many requests' worth of output to RLD,
+    # repaid over the next loan / relay_max_token_share decisions.
+    relay_startup_loan: float = 4.0
     rld_tpot_prior_s: float = 0.05    # RLD step time before it has reported one
     # A cancelled/skipped transfer's shared prefix is warmed on MD later only
     # when P has seen it reused by at least this many other requests.
@@ -102,6 +107,8 @@ class PolicyConfig:
             raise ValueError("relay_only_max_share must be in [0, 1]")
         if not 0.0 <= self.relay_max_token_share <= 1.0:
             raise ValueError("relay_max_token_share must be in [0, 1]")
+        if self.relay_startup_loan < 0:
+            raise ValueError("relay_startup_loan must be >= 0")
         if self.relay_only_window < 1:
             raise ValueError("relay_only_window must be >= 1")
         if self.rld_tpot_prior_s <= 0:

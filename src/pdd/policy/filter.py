@@ -68,18 +68,25 @@ class ShareBudget:
     """A share of recent routing decisions kept under a bound: each decision
     counts `part` of a `whole` (1 of 1 for an RLD-only request; a relay's
     expected RLD tokens of its output bound), over the last `window`
-    decisions. Until the window holds 1 / max_share decisions, the missing
-    ones count as wholes of the average size with no part, so a cold start
-    cannot open with a run of RLD work. Pure: the router and the simulator
-    feed it the same decisions in the same order and get the same answers.
+    decisions.
+
+    A short history is no evidence of overuse: a run opens with sessions that
+    are all cold, exactly the requests the relay pool exists for. So the
+    budget lends `loan` wholes at the start and takes
+    the loan back linearly over the `loan / max_share` decisions whose share
+    repays it; from then on the bound is the share itself. Pure: the router
+    and the simulator feed it the same decisions in the same order and get
+    the same answers.
     """
 
-    def __init__(self, max_share: float, window: int) -> None:
-        if not 0.0 <= max_share <= 1.0 or window < 1:
-            raise ValueError("ShareBudget: max_share in [0, 1], window >= 1")
+    def __init__(self, max_share: float, window: int, loan: float = 0.0) -> None:
+        if not 0.0 <= max_share <= 1.0 or window < 1 or loan < 0:
+            raise ValueError("ShareBudget: max_share in [0, 1], window >= 1, loan >= 0")
         self.max_share = max_share
+        self.loan = loan
         self._recent: deque[list[float]] = deque(maxlen=window)
-        self._floor = math.ceil(1.0 / max_share) if max_share > 0 else 0
+        self._num_decisions = 0                 # ever noted: the loan's clock
+        self._repaid_after = loan / max_share if max_share > 0 else 0.0
 
     @property
     def part(self) -> float:
@@ -89,20 +96,28 @@ class ShareBudget:
     def whole(self) -> float:
         return sum(w for _, w in self._recent)
 
+    def lent(self, whole: float) -> float:
+        """Parts lent beyond the share, for one more decision of `whole`
+        (the loan counts in wholes of the decision at hand: a warm-up probe
+        of a few tokens before the run must not shrink it)."""
+        n = self._num_decisions + 1
+        if self._repaid_after <= 0 or n >= self._repaid_after:
+            return 0.0
+        return self.loan * whole * (1.0 - n / self._repaid_after)
+
     def allows(self, part: float, whole: float) -> bool:
         """One more decision of `part` in `whole` keeps the share within the bound."""
         if part <= 0 or self.max_share >= 1:
             return True
         if self.max_share <= 0:
             return False
-        n = len(self._recent) + 1
-        wholes = self.whole + whole
-        wholes += max(self._floor - n, 0) * wholes / n       # a short history: pad it
-        return self.part + part <= self.max_share * wholes + 1e-9
+        bound = self.max_share * (self.whole + whole) + self.lent(whole)
+        return self.part + part <= bound + 1e-9
 
     def note(self, part: float, whole: float) -> None:
         """Count one routing decision."""
         self._recent.append([float(part), float(whole)])
+        self._num_decisions += 1
 
     def convert(self) -> None:
         """The newest counted decision without its whole share now has it (a
@@ -119,8 +134,9 @@ class RelayBudgets:
     tokens and RLD-only outputs, as predicted at routing)."""
 
     def __init__(self, cfg: PolicyConfig) -> None:
-        self.requests = ShareBudget(cfg.relay_only_max_share, cfg.relay_only_window)
-        self.tokens = ShareBudget(cfg.relay_max_token_share, cfg.relay_only_window)
+        self.requests = ShareBudget(cfg.relay_only_max_share, cfg.relay_only_window, loan=1.0)
+        self.tokens = ShareBudget(cfg.relay_max_token_share, cfg.relay_only_window,
+                                  loan=cfg.relay_startup_loan)
 
 
 def should_cancel_wan(now: float, tokens_left: int, est_remaining_wan_s: float,

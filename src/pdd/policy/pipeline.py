@@ -23,7 +23,8 @@ Decision order, over one ClusterView snapshot:
 7. Otherwise RELAY with the least-loaded RLD that has room, while RLD's
    expected share of recent output tokens stays within its budget
    (`RelayBudgets.tokens`: eager tokens = est_wan_s / RLD's step time, at
-   most the output bound); none, or past the budget -> DIRECT.
+   most the output bound; a run's first decisions get a start-up loan,
+   `ShareBudget`); none, or past the budget -> DIRECT.
 
 There is deliberately no plain P->RLD pipeline for low-hit requests: low-hit
 requests are the ones with the longest transfers, and finishing them on RLD
@@ -135,8 +136,11 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
         return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why, filterable)
 
     m = req.max_tokens
+    # RLD-only is bounded by its own budget of requests only: by the class's
+    # definition their outputs are tiny (at most 1/100 of the input), so a
+    # token budget spent on relays must not send them on a long transfer.
     if (filterable and rld is not None and predict_abnormal(req, est, rld_tpot_s(rld, cfg), cfg)
-            and (budgets is None or (budgets.requests.allows(1, 1) and budgets.tokens.allows(m, m)))):
+            and (budgets is None or budgets.requests.allows(1, 1))):
         return PipelineDecision(Pipeline.RELAY_ONLY, p_id, rld_id, md_id, False, missing, est,
                                 f"abnormal: {m} tokens end on RLD before the KV lands ({est:.3f}s)",
                                 filterable, m)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from pdd.policy.lifecycle_io import Outcome
 from pdd.server.trace import RequestTrace
+
+# Requests whose eager tokens count: relays and RLD-only ones (not a failover).
+RLD_OUTCOMES = {o.value for o in (Outcome.RELAY, Outcome.RELAY_FILTERED, Outcome.RELAY_CANCELLED,
+                                  Outcome.WAN_DOWN)}
 
 _LAT = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _ITL = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
@@ -49,7 +54,7 @@ class RouterMetrics:
             self.e2e.labels(pipe).observe(t.finished_s - t.arrival_s)
         for a, b in zip(t.token_times_s, t.token_times_s[1:]):
             self.itl.labels(pipe).observe(b - a)
-        if t.pipeline in ("relay", "relay_only"):
+        if t.pipeline in RLD_OUTCOMES:
             self.eager.observe(t.rld_tokens)
         if t.handoff_mode and t.handoff_gap_s is not None:
             self.handoffs.labels(t.handoff_mode).inc()

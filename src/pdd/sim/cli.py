@@ -79,6 +79,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--block-size", type=int, default=16)
     w.add_argument("--arrival-rate", type=float, default=None)
     w.add_argument("--open-loop", action="store_true")
+    w.add_argument("--turn-interval", type=float, default=None, metavar="S")
     w.add_argument("--time-scale", type=float, default=None)
     w.add_argument("--length-scale", type=float, default=None)
     w.add_argument("--max-input-tokens", type=int, default=None)

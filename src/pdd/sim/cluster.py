@@ -40,9 +40,10 @@ import dataclasses
 import zlib
 
 from pdd.policy import (
-    ClusterView, LinkEstimator, NoRouteError, Pipeline, PrefixReuseCounter, RelayBudgets, RequestFacts,
+    ClusterView, LinkEstimator, NoRouteError, PrefixReuseCounter, RelayBudgets, RequestFacts,
     Role, choose_pipeline, note_decision, pick_instance, plan_warm,
 )
+from pdd.policy.lifecycle_io import Outcome
 from pdd.sim.cost_model import CostModel
 from pdd.sim.decoders import DecodersMixin
 from pdd.sim.hardware import get_profile
@@ -240,8 +241,7 @@ class Cluster(TransfersMixin, DecodersMixin):
             return self._finish(req, now, error=str(e))
         note_decision(self.relay_budgets, d, facts)
         req.decision = d
-        req.pipeline = ("relay_filtered" if d.pipeline is Pipeline.RELAY_ONLY and d.reason != "wan down"
-                        else d.pipeline.value)
+        req.pipeline = Outcome.of(d).value
         self._plan_warm(req, d, matched)
         return self._start_prefill(req, self.instances[d.p_id], matched.get(d.p_id, 0), now)
 

@@ -8,8 +8,9 @@ the receiving engine at a step boundary, as the servers' engine commands do.
 
 from __future__ import annotations
 
-from pdd.policy import Complete, HandoffSession, HandoffState, Pipeline, SendBatch
-from pdd.policy import cancel_wan, choose_handoff_mode, convert_to_relay_only, keep_wan_copy
+from pdd.policy import Complete, HandoffState, Pipeline, SendBatch
+from pdd.policy import cancel_wan, convert_to_relay_only, keep_wan_copy, new_session
+from pdd.policy.lifecycle_io import Outcome
 from pdd.sim.instance import Job, JobKind, Seq, SimInstance
 from pdd.sim.loop import Event
 from pdd.sim.request import SimRequest
@@ -43,7 +44,7 @@ class DecodersMixin:
         if cancel_wan(req.decision, self.relay_budgets, now, now - req.prefill_done_s,
                       req.spec.max_tokens - req.num_generated, rld.view(), self.cfg):
             convert_to_relay_only(self.relay_budgets)
-            req.pipeline = "relay_cancelled"
+            req.pipeline = Outcome.RELAY_CANCELLED.value
             return self._cancel(req, now)
         return []
 
@@ -105,9 +106,8 @@ class DecodersMixin:
                 # once RLD has streamed its first token.
                 req.md_ready_pending = at_rld
                 return []
-            mode = choose_handoff_mode(req.num_generated, rld.view(), self.cfg)
-            req.session = HandoffSession(req.spec.request_id, mode, self.cfg)
-            req.handoff_mode = mode.value
+            req.session = new_session(req.spec.request_id, req.num_generated, rld.view(), self.cfg)
+            req.handoff_mode = req.session.mode.value
             return self._apply(req, rld, md, req.session.on_md_ready(t, req.num_generated), t)
         return [self._later(self._one_way(md, rld), rld.instance_id,
                             lambda t: self._deliver(rld, t, at_rld))]

@@ -209,6 +209,12 @@ class SimInstance:
         assert not self.busy
         self._admit()
         batch = self.decoding
+        # Our engine runs a handoff's final extend alone (the user's stream
+        # is stalled on it; `pdd.engine.scheduler`, "urgent").
+        urgent = [j for j in self.jobs if self.short_first and j.started and j.kind is JobKind.EXTEND
+                  and getattr(j.data, "final", False)]
+        if urgent:
+            batch = []
         budget = self.token_budget - len(batch)
         chunks: list[tuple[Job, int]] = []
         pairs = 0.0
@@ -217,7 +223,16 @@ class SimInstance:
         # FCFS; or shortest remaining first, as our engine's scheduler (ties:
         # arrival), where a step that completes prompts carries no chunk of a
         # longer one.
+        if self.short_first and self.cache is not None:
+            # The engine ranks waiting prompts by what they would compute now
+            # (its cache may have grown since they arrived: an earlier
+            # prompt's chunks, a shared system prompt), not at arrival.
+            for job in self.jobs:
+                if not job.started and job.kind is JobKind.PREFILL:
+                    self._rematch(job)
         jobs = sorted(self.jobs, key=lambda j: j.num_tokens - j.done) if self.short_first else self.jobs
+        if urgent:
+            jobs = urgent
         for job in jobs:
             if budget <= 0:
                 break

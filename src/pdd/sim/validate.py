@@ -127,8 +127,10 @@ def _samples(records: list[RequestRecord]) -> dict:
             "tpot_s": [round(r.tpot_s, 6) for r in ok if r.tpot_s is not None]}
 
 
-# The router's and the simulator's names for the same outcome.
-_SAME = {"relay_only": "relay_filtered"}
+# Both sides label by `pdd.policy.lifecycle_io.Outcome`. Runs recorded
+# before that labelled a filtered request "relay_only" (the name WAN-down
+# requests keep) and a cancelled one "relay".
+_LEGACY = {("relay_only", "relay_filtered"), ("relay", "relay_cancelled")}
 
 
 def compare_decisions(real_records: list[RequestRecord], sim_records: list) -> dict | None:
@@ -138,8 +140,8 @@ def compare_decisions(real_records: list[RequestRecord], sim_records: list) -> d
         if r.request_id not in real or real[r.request_id] is None:
             continue         # baselines: the router records no pipeline
         n += 1
-        want = _SAME.get(real[r.request_id], real[r.request_id])
-        if want == r.pipeline:
+        want = real[r.request_id]
+        if want == r.pipeline or (want, r.pipeline) in _LEGACY:
             agree += 1
         else:
             key = f"{want} -> {r.pipeline}"

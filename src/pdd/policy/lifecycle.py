@@ -1,0 +1,383 @@
+"""One PDD request's life after routing, as a sans-I/O state machine.
+
+`RequestLifecycle` takes facts (`lifecycle_io`: a stream event, a transfer's
+end, a silence, the client leaving; each with `now`) and returns commands
+(open a decode, start / cancel a transfer, extend MD, pause / resume / abort
+RLD, release P, emit a token, finish). No clock, no I/O: the router's
+`PddRun` and the simulator drive the same object. It owns, for one request:
+
+    start -> StartPrefill (+ OpenDecode for RLD and/or MD)
+    RLD streams eager tokens 0..k while MD's KV crosses the WAN
+      every RLD token: the live filter (`cancel_wan`) may drop MD
+    MD KvReady -> HandoffSession (`new_session`): ExtendMd* (token ids only)
+      final batch: PauseRld at stop_at; RLD tokens past it are held back;
+      MD's token `stop_at` completes the handoff (RLD aborted)
+    RLD ends first -> MD parked (`keep_wan_copy`: its copy still lands) or dropped
+    MD / WAN fails before it owns the stream -> RLD resumes (held tokens emitted)
+    DIRECT fails before a token -> failover: P sends its KV to an RLD (`pick_spare`)
+    RLD gone -> `on_rld_lost`: MD takes over by a final extend of what the
+      user has (P re-sends the KV first when MD had no copy), or fail
+    the user's stream: every token index exactly once, in order (Emit)
+
+Failures (failover, RLD / MD / WAN lost) are in `lifecycle_recovery.py`,
+the facts and commands in `lifecycle_io.py`. Tested in process, event
+orders included (tests/test_policy_lifecycle*.py).
+"""
+
+from __future__ import annotations
+
+from pdd.policy.config import PolicyConfig
+from pdd.policy.filter import RelayBudgets
+from pdd.policy.handoff import Complete, HandoffSession, SendBatch, new_session
+from pdd.policy.lifecycle_io import (
+    Abort, ClientGone, CloseStream, Command, DeadlinePassed, DecodeEnded, DecodeToken, Emit, EndReason,
+    Extended, ExtendMd, Fact, Finish, FinishReason, KvReady, Leg, Note, OpenDecode, Outcome, PauseRld,
+    PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, Transfer, TransferEnded, WanFailed,
+)
+from pdd.policy.lifecycle_recovery import RecoveryRules, _Failed, pick_spare
+from pdd.policy.pipeline import Pipeline, PipelineDecision, cancel_wan, convert_to_relay_only, keep_wan_copy
+from pdd.policy.views import InstanceView, RequestFacts, Role
+
+__all__ = ["RequestLifecycle", "pick_spare", "remaining_wan_s"]
+
+
+def remaining_wan_s(d: PipelineDecision, wan_elapsed_s: float) -> float:
+    """Routing's WAN estimate less the time the copy has had."""
+    return max(0.0, d.est_wan_s - max(wan_elapsed_s, 0.0))
+
+
+class RequestLifecycle(RecoveryRules):
+    def __init__(self, req: RequestFacts, decision: PipelineDecision, cfg: PolicyConfig,
+                 budgets: RelayBudgets | None = None, warm_blocks: int = 0) -> None:
+        self.req, self.d, self.cfg, self.budgets = req, decision, cfg, budgets
+        direct = decision.pipeline is Pipeline.DIRECT
+        self.p_id = decision.p_id
+        self.rld_id = decision.rld_id if decision.rld_id and not direct else None
+        self.md_id = decision.md_id if decision.md_id and decision.start_wan else None
+        self.warm = (decision.md_id, warm_blocks) if warm_blocks and decision.md_id else None
+        # The MD whose incoming copy still lands after the user's answer.
+        self.landing_after: str | None = self.warm[0] if self.warm else None
+        self.owner = Leg.MD if direct else Leg.RLD
+        self.outcome = Outcome.of(decision)
+        self.tokens: list[int] = []                # the user's stream
+        self.session: HandoffSession | None = None
+        self.stop_at: int | None = None
+        self.held: dict[int, int] = {}             # RLD tokens past stop_at
+        self.md_ready_pending = False
+        self.md_live = False
+        self.md_ready_s: float | None = None
+        self.transfers: dict[str, bool | None] = {}    # receiver -> ok (None: in flight)
+        self.wan_started_s: float | None = None
+        self.first_token: int | None = None
+        self.md_upto = 1                           # tokens MD holds: P's first, then extended
+        self.seen_s: dict[Leg, float] = {}         # last event per stream
+        self.rld_kv_s: float | None = None         # RLD's KV landed: from then on it streams
+        self.md_extend_s: float | None = None
+        self.open_legs: set[Leg] = set()
+        self.lost: set[str] = set()
+        self.cancelled: set[str] = set()           # copies we cancelled (P reports them failed)
+        self.rld_lost: str | None = None
+        self.rld_end: EndReason | None = None      # RLD finished while paused for the final batch
+        self.takeover_pending = False
+        self.p_open = False
+        self.p_released = False
+        self.ended_on_rld = False
+        self.handoff_batches = 0
+        self.handoff_s: float | None = None
+        self.rld_view: InstanceView | None = None     # RLD's load, as last reported
+        self.done: Finish | None = None
+        self._out: list[Command] = []
+
+    # --- driving -------------------------------------------------------------
+    def start(self, now: float) -> list[Command]:
+        targets: list[Transfer] = []
+        if self.rld_id is not None:
+            self._open(Leg.RLD, self.rld_id, hold=False)
+            targets.append(Transfer(self.rld_id))
+        if self.md_id is not None:
+            self._open(Leg.MD, self.md_id, hold=self.d.pipeline is Pipeline.RELAY)
+            self.md_live = True
+            targets.append(Transfer(self.md_id))
+        if self.warm is not None:
+            targets.append(Transfer(*self.warm))
+        self.transfers = {t.instance_id: None for t in targets}
+        self.p_open = True
+        self._out.append(StartPrefill(self.p_id, tuple(targets)))
+        return self._drain()
+
+    def handle(self, fact: Fact) -> list[Command]:
+        if self.done is not None:
+            self._after_finish(fact)
+            return self._drain()
+        leg = Leg.MD if isinstance(fact, (KvReady, Extended)) else getattr(fact, "leg", None)
+        if leg in (Leg.RLD, Leg.MD) and not isinstance(fact, PeerGone):
+            self.seen_s[leg] = fact.now
+        rld = getattr(fact, "rld", None)
+        if rld is not None:
+            self.rld_view = rld
+        try:
+            self._dispatch(fact)
+        except _Failed as e:
+            self._finish(FinishReason.ERROR, str(e))
+        return self._drain()
+
+    def watched(self) -> list[tuple[Leg, float]]:
+        """(stream, silent since) of the streams that should be producing now:
+        RLD once its KV landed and while not paused; MD once its KV is ready
+        and while it owns the stream or extends a batch."""
+        out = []
+        if (self.owner is Leg.RLD and self.stop_at is None and Leg.RLD in self.open_legs
+                and self.rld_kv_s is not None):
+            out.append((Leg.RLD, max(self.rld_kv_s, self.seen_s.get(Leg.RLD, 0.0))))
+        md_busy = (self.owner is Leg.MD and not self.takeover_pending
+                   or self.session is not None and self.session.in_flight is not None)
+        if self.md_live and Leg.MD in self.open_legs and self.md_ready_s is not None and md_busy:
+            out.append((Leg.MD, max(self.md_ready_s, self.seen_s.get(Leg.MD, 0.0), self.md_extend_s or 0.0)))
+        return out
+
+    @property
+    def warming(self) -> bool:
+        """The answer is out but P keeps the prompt KV until a copy lands on MD."""
+        return (self.landing_after is not None and self.transfers.get(self.landing_after) is None
+                and self.p_open and self.first_token is not None)
+
+    # --- dispatch --------------------------------------------------------------
+    def _dispatch(self, f: Fact) -> None:
+        if isinstance(f, Prefilled):
+            self._on_prefilled(f)
+        elif isinstance(f, TransferEnded):
+            self._on_transfer(f)
+        elif isinstance(f, PrefillEnded):
+            self.p_open = False
+            if self.first_token is None:
+                raise _Failed(f"prefill failed: {f.error or 'stream closed'}")
+        elif isinstance(f, DecodeToken):
+            self._on_rld_token(f) if f.leg is Leg.RLD else self._on_md_token(f)
+        elif isinstance(f, KvReady):
+            self._on_kv_ready(f)
+        elif isinstance(f, Extended):
+            self._on_extended(f)
+        elif isinstance(f, DecodeEnded):
+            self._on_rld_ended(f.now, f.reason, f.error, f.healthy) if f.leg is Leg.RLD \
+                else self._on_md_ended(f)
+        elif isinstance(f, PeerGone):
+            if f.leg is Leg.RLD:
+                self._on_rld_ended(f.now, EndReason.ERROR, f.why, f.healthy)
+            else:
+                self._md_failed(f.now, f.why, f.healthy)
+        elif isinstance(f, ClientGone):
+            self._finish(FinishReason.CLIENT_GONE)
+        elif isinstance(f, DeadlinePassed):
+            raise _Failed("request deadline exceeded")
+
+    def _after_finish(self, f: Fact) -> None:
+        """Only P matters once the user has the answer: a warm copy landing."""
+        if isinstance(f, TransferEnded):
+            self.transfers[f.instance_id] = f.ok
+            if f.instance_id == self.md_id and not f.ok and f.instance_id not in self.cancelled:
+                self._out.append(WanFailed())
+            self._maybe_release_p()
+        elif isinstance(f, PrefillEnded):
+            self.p_open = False
+
+    # --- P -----------------------------------------------------------------------
+    def _on_prefilled(self, f: Prefilled) -> None:
+        self.first_token = f.token
+        self.wan_started_s = f.now
+        self._try_takeover(f.now)
+        if self.done is None and (f.stop or self.req.max_tokens == 1):
+            self._emit(f.token, Leg.P)
+            self._finish(FinishReason.STOP if f.stop else FinishReason.LENGTH)
+
+    def _on_transfer(self, f: TransferEnded) -> None:
+        self.transfers[f.instance_id] = f.ok
+        if f.instance_id == self.md_id and not f.ok:
+            if f.instance_id not in self.cancelled:     # our own cancel says nothing of the line
+                self._out.append(WanFailed())
+            self._md_failed(f.now, f"WAN KV transfer failed: {f.error}", f.healthy)
+        if f.instance_id == self.rld_id and self.owner is Leg.RLD:
+            if f.ok:
+                self.rld_kv_s = f.now
+            elif self.stop_at is None and self.rld_lost is None:
+                # RLD's decode would wait for KV that never comes.
+                self._rld_gone(f.now, f"KV transfer to {self.rld_id} failed: {f.error}", f.healthy)
+        if self.done is None or self.done.reason is not FinishReason.ERROR:
+            self._maybe_release_p()
+
+    def _maybe_release_p(self) -> None:
+        md_ok = self.md_id is None or self.transfers.get(self.md_id) or not self.md_live
+        if (all(v is not None for v in self.transfers.values()) and (self.owner is Leg.RLD or md_ok)
+                and not self.p_released):
+            self.p_released = True
+            self._out.append(ReleaseP(self.p_id))
+
+    # --- RLD -------------------------------------------------------------------
+    def _on_rld_token(self, f: DecodeToken) -> None:
+        if self.owner is not Leg.RLD:
+            return
+        if self.stop_at is not None and f.index >= self.stop_at:
+            self.held[f.index] = f.token
+            return
+        if f.index != len(self.tokens):
+            raise _Failed(f"relay stream out of order: token {f.index}, expected {len(self.tokens)}")
+        self._emit(f.token, Leg.RLD)
+        if self.md_ready_pending:
+            self.md_ready_pending = False
+            self._new_session(f.now)
+        self._maybe_cancel_wan(f.now)
+
+    def _on_rld_ended(self, now: float, reason: EndReason, error: str,
+                      healthy: tuple[InstanceView, ...]) -> None:
+        if self.owner is not Leg.RLD:
+            return
+        if not reason.normal:
+            why = error or f"stream ended without finishing ({reason.value})"
+            if self.stop_at is not None:
+                # Paused for the final batch: MD is already taking over. Remember
+                # it, in case MD fails too and would hand the stream back.
+                self.rld_lost = why
+                self._close(Leg.RLD)
+            elif self.rld_lost is None:
+                self._rld_gone(now, why, healthy)
+            return
+        if self.stop_at is not None:
+            self.rld_end = reason       # done while paused: MD may yet hand the stream back
+            return
+        self.ended_on_rld = True
+        if self.session is not None and not self.session.state.terminal:
+            self.session.on_rld_finished(now, len(self.tokens))
+        if self.md_live:
+            if keep_wan_copy(self.d) and self.transfers.get(self.md_id) is None:
+                self._park_md()
+            else:
+                self._drop_md("request finished on RLD first")
+        self._finish(FinishReason(reason.value))
+
+    def _maybe_cancel_wan(self, now: float) -> None:
+        """The live filter: RLD will finish before the WAN copy lands."""
+        rld = self.rld_view
+        if not self.md_live or self.session is not None or self.wan_started_s is None or rld is None:
+            return
+        elapsed = now - self.wan_started_s
+        left = self.req.max_tokens - len(self.tokens)
+        if cancel_wan(self.d, self.budgets, now, elapsed, left, rld, self.cfg):
+            if self.budgets is not None:
+                convert_to_relay_only(self.budgets)
+            self.outcome = Outcome.RELAY_CANCELLED
+            self._note("filter_cancel", tokens_left=left, remaining_wan_s=remaining_wan_s(self.d, elapsed))
+            self._drop_md("abnormal traffic: RLD finishes first")
+
+    # --- MD ------------------------------------------------------------------------
+    def _on_kv_ready(self, f: KvReady) -> None:
+        if not self.md_live:
+            return
+        self.md_ready_s = f.now
+        self._note("kv_ready", instance=self.md_id, payload_bytes=f.payload_bytes)
+        if self.takeover_pending:
+            self._try_takeover(f.now)
+        elif self.owner is Leg.RLD:
+            if self.tokens:
+                self._new_session(f.now)
+            else:
+                self.md_ready_pending = True
+
+    def _on_extended(self, f: Extended) -> None:
+        if not self.md_live or self.session is None:
+            return
+        batch = self.session.in_flight
+        if batch is not None and not batch.final and f.upto == batch.end:
+            self._do(f.now, self.session.on_batch_extended(f.now, batch.end, len(self.tokens)))
+
+    def _on_md_token(self, f: DecodeToken) -> None:
+        if not self.md_live:
+            return
+        if self.owner is Leg.RLD and self.stop_at is not None and f.index == self.stop_at:
+            self.session.on_batch_extended(f.now, f.index, f.index)
+            self._complete(f.now)
+        if self.owner is Leg.MD:
+            if f.index != len(self.tokens):
+                raise _Failed(f"main-decode stream out of order: token {f.index}, expected {len(self.tokens)}")
+            self._emit(f.token, Leg.MD)
+
+    def _on_md_ended(self, f: DecodeEnded) -> None:
+        if not self.md_live:
+            return
+        if (self.owner is Leg.RLD and f.reason.normal and self.stop_at is not None
+                and len(self.tokens) >= self.stop_at):
+            # The final batch reached the end of the output: MD has nothing to add.
+            self.session.on_batch_extended(f.now, self.stop_at, self.stop_at)
+            self._complete(f.now)
+            self._finish(FinishReason(f.reason.value))
+            return
+        if self.owner is not Leg.MD:
+            self._md_failed(f.now, f.error or "main-decode stream ended", f.healthy)
+            return
+        if self.rld_lost is not None and not f.reason.normal:
+            raise _Failed(f"main decode on {self.md_id} failed ({f.error or f.reason.value}) "
+                          f"after relay decode {self.rld_id} was lost ({self.rld_lost})")
+        if f.reason is EndReason.ERROR and not self.tokens and self._failover(f.now, f.error, f.healthy):
+            return
+        if not f.reason.normal:
+            raise _Failed(f.error or f"instance stream ended early ({f.reason.value})")
+        self._finish(FinishReason(f.reason.value))
+
+    # --- handoff ---------------------------------------------------------------------
+    def _new_session(self, now: float) -> None:
+        """The handoff's mode from RLD's load now (`new_session`); an RLD never
+        reported counts as idle."""
+        rld = self.rld_view or InstanceView(self.rld_id or "rld", Role.RELAY, "", 0, 0, 1, 0, 0)
+        self.session = new_session(self.req.request_id, len(self.tokens), rld, self.cfg)
+        self._note("md_ready", eager_tokens=len(self.tokens), mode=self.session.mode.value)
+        self._do(now, self.session.on_md_ready(now, len(self.tokens)))
+
+    def _do(self, now: float, act: SendBatch | Complete) -> None:
+        while isinstance(act, SendBatch):
+            self.handoff_batches += 1
+            toks = self.tokens[max(act.start, 1): act.end]     # MD already holds token 0 (from P)
+            self.md_upto = max(self.md_upto, act.end)
+            if toks or act.final:
+                self.md_extend_s = now
+                self._out.append(ExtendMd(self.md_id, tuple(toks), act.final))
+                if act.final:
+                    # RLD's tokens past stop_at are held back from here on, so
+                    # the pause need not precede MD's extend: a driver may send
+                    # both at once (each waits for its instance's step under way).
+                    self.stop_at = act.end
+                    self._out.append(PauseRld(self.rld_id))
+                return
+            act = self.session.on_batch_extended(now, act.end, len(self.tokens))
+        if isinstance(act, Complete):
+            self._complete(now)
+
+    def _complete(self, now: float) -> None:
+        self.owner = Leg.MD
+        self.handoff_s = now - self.md_ready_s if self.md_ready_s is not None else None
+        self._note("handoff_complete", stop_at=self.stop_at, batches=self.handoff_batches)
+        self._close(Leg.RLD)
+        # Off the user's path: MD's tokens go out now, not after RLD's step
+        # under way has ended and the abort has been answered.
+        self._out.append(Abort(Leg.RLD, self.rld_id))
+
+    # --- output ----------------------------------------------------------------------
+    def _emit(self, token: int, source: Leg) -> None:
+        self.tokens.append(token)
+        self._out.append(Emit(token, source, len(self.tokens) - 1))
+
+    def _note(self, event: str, **fields) -> None:
+        self._out.append(Note(event, fields))
+
+    def _open(self, leg: Leg, instance_id: str, hold: bool) -> None:
+        self.open_legs.add(leg)
+        self._out.append(OpenDecode(leg, instance_id, hold))
+
+    def _close(self, leg: Leg) -> None:
+        self.open_legs.discard(leg)
+        self._out.append(CloseStream(leg))
+
+    def _finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.done = Finish(self.outcome, reason, error)
+        self._out.append(self.done)
+
+    def _drain(self) -> list[Command]:
+        out, self._out = self._out, []
+        return out

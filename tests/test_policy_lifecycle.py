@@ -1,0 +1,373 @@
+"""RequestLifecycle, fact by fact: every pipeline, both handoff modes, the
+filter, failover, a WAN cut, each instance gone, the client gone. In
+process, no model, no sockets (milliseconds each)."""
+
+import math
+
+import pytest
+
+from pdd.policy import InstanceView, Pipeline, PipelineDecision, PolicyConfig, RequestFacts, Role
+from pdd.policy.lifecycle import RequestLifecycle, pick_spare, remaining_wan_s
+from pdd.policy.lifecycle_io import (
+    Abort, CancelTransfer, ClientGone, CloseStream, DeadlinePassed, DecodeEnded, DecodeToken, Emit,
+    EndReason, Extended, ExtendMd, Finish, FinishReason, KvReady, Leg, Note, OpenDecode, Outcome,
+    PauseRld, PeerGone, Prefilled, PrefillEnded, ReleaseP, ResumeRld, StartPrefill, StartTransfer,
+    Transfer, TransferEnded, WanFailed,
+)
+from lifecycle_world import World, ref
+
+CFG = PolicyConfig()
+REQ = RequestFacts("req", 4096, 20, 1000, 16)
+
+
+def decision(pipeline, rld="r0", md="m0", start_wan=True, est=2.0, filterable=False, reason="test"):
+    return PipelineDecision(pipeline, "p0", rld if pipeline is not Pipeline.DIRECT else None, md,
+                            start_wan, 1000, est, reason, filterable)
+
+
+DIRECT = decision(Pipeline.DIRECT, est=0.1)
+RELAY = decision(Pipeline.RELAY)
+FILTERED = decision(Pipeline.RELAY_ONLY, start_wan=False, filterable=True, reason="abnormal")
+WAN_DOWN = decision(Pipeline.RELAY_ONLY, md=None, start_wan=False, est=math.inf, reason="wan down")
+
+
+def rld_view(iid="r0", running=0):
+    return InstanceView(iid, Role.RELAY, "a", running, 0, 8, 1000, 1000, 0.05)
+
+
+def healthy(*ids):
+    role = {"r": Role.RELAY, "m": Role.MAIN}
+    return tuple(InstanceView(i, role[i[0]], "x", 0, 0, 8, 1000, 1000, 0.05) for i in ids)
+
+
+def of(cmds, kind):
+    return [c for c in cmds if isinstance(c, kind)]
+
+
+def emitted(cmds):
+    return [(c.index, c.token, c.source) for c in of(cmds, Emit)]
+
+
+def rld_tokens(lc, start, end, t=1.0):
+    out = []
+    for i in range(start, end):
+        out += lc.handle(DecodeToken(t, Leg.RLD, i, ref(i), rld_view()))
+    return out
+
+
+def md_tokens(lc, start, end, t=5.0):
+    out = []
+    for i in range(start, end):
+        out += lc.handle(DecodeToken(t, Leg.MD, i, ref(i)))
+    return out
+
+
+def started(d, max_tokens=20, cfg=CFG, warm_blocks=0):
+    lc = RequestLifecycle(RequestFacts("req", 4096, max_tokens, 1000, 16), d, cfg, warm_blocks=warm_blocks)
+    return lc, lc.start(0.0)
+
+
+# --- every pipeline ------------------------------------------------------------
+def test_direct_streams_md_from_its_first_token():
+    lc, cmds = started(DIRECT)
+    assert cmds == [OpenDecode(Leg.MD, "m0", hold=False), StartPrefill("p0", (Transfer("m0"),))]
+    lc.handle(Prefilled(0.5, ref(0)))
+    assert lc.handle(TransferEnded(0.6, "m0", True)) == [ReleaseP("p0")]
+    lc.handle(KvReady(0.7))
+    out = md_tokens(lc, 0, 20) + lc.handle(DecodeEnded(2.0, Leg.MD, EndReason.LENGTH))
+    assert emitted(out) == [(i, ref(i), Leg.MD) for i in range(20)]
+    assert out[-1] == Finish(Outcome.DIRECT, FinishReason.LENGTH)
+
+
+def test_relay_one_shot_handoff():
+    lc, cmds = started(RELAY)
+    assert of(cmds, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False), OpenDecode(Leg.MD, "m0", True)]
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    out = rld_tokens(lc, 0, 5)
+    assert emitted(out) == [(i, ref(i), Leg.RLD) for i in range(5)]
+    lc.handle(TransferEnded(1.5, "m0", True))
+    out = lc.handle(KvReady(1.6, rld_view()))
+    assert of(out, PauseRld) == [PauseRld("r0")]
+    assert of(out, ExtendMd) == [ExtendMd("m0", tuple(ref(i) for i in range(1, 5)), True)]
+    assert lc.stop_at == 5 and lc.session.mode.value == "one_shot"
+    # RLD's token 5 was already on its way: held back, never shown.
+    assert emitted(rld_tokens(lc, 5, 6)) == []
+    out = md_tokens(lc, 5, 20)
+    assert Abort(Leg.RLD, "r0", background=True) in out and CloseStream(Leg.RLD) in out
+    assert emitted(out) == [(i, ref(i), Leg.MD) for i in range(5, 20)]
+    assert lc.handle(DecodeEnded(3.0, Leg.MD, EndReason.LENGTH))[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH)
+    assert lc.handoff_s == pytest.approx(5.0 - 1.6) and lc.handoff_batches == 1
+
+
+def test_relay_catch_up_handoff_sends_batches_until_the_gap_is_small():
+    cfg = PolicyConfig(handoff_mode="catch_up", catchup_final_max_tokens=2)
+    lc, _ = started(RELAY, max_tokens=40, cfg=cfg)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 10)
+    out = lc.handle(KvReady(1.0, rld_view()))
+    assert of(out, ExtendMd) == [ExtendMd("m0", tuple(ref(i) for i in range(1, 10)), False)]
+    assert of(out, PauseRld) == []
+    rld_tokens(lc, 10, 14)
+    out = lc.handle(Extended(1.2, 10))
+    assert of(out, ExtendMd) == [ExtendMd("m0", tuple(ref(i) for i in range(10, 14)), False)]
+    rld_tokens(lc, 14, 15)
+    out = lc.handle(Extended(1.3, 14))
+    assert of(out, ExtendMd) == [ExtendMd("m0", (ref(14),), True)] and of(out, PauseRld) == [PauseRld("r0")]
+    out = md_tokens(lc, 15, 40) + lc.handle(DecodeEnded(2.0, Leg.MD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(40)] and lc.handoff_batches == 3
+    assert out[-1].outcome is Outcome.RELAY
+
+
+def test_filtered_request_is_rld_only_and_warms_md_with_its_shared_prefix():
+    lc, cmds = started(FILTERED, warm_blocks=4)
+    assert of(cmds, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False)]
+    assert cmds[-1] == StartPrefill("p0", (Transfer("r0"), Transfer("m0", 4)))
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    out = rld_tokens(lc, 0, 20) + lc.handle(DecodeEnded(1.0, Leg.RLD, EndReason.LENGTH))
+    assert out[-1] == Finish(Outcome.RELAY_FILTERED, FinishReason.LENGTH)
+    assert lc.warming                                   # P stays open until the warm copy lands
+    assert lc.handle(TransferEnded(1.5, "m0", True)) == [ReleaseP("p0")] and not lc.warming
+
+
+def test_wan_down_is_rld_only():
+    lc, cmds = started(WAN_DOWN)
+    assert cmds[-1] == StartPrefill("p0", (Transfer("r0"),))
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    out = rld_tokens(lc, 0, 3) + lc.handle(DecodeEnded(1.0, Leg.RLD, EndReason.STOP))
+    assert out[-1] == Finish(Outcome.WAN_DOWN, FinishReason.STOP)
+
+
+def test_prefill_stop_token_and_single_token_end_at_p():
+    lc, _ = started(RELAY)
+    out = lc.handle(Prefilled(0.5, ref(0), stop=True))
+    assert emitted(out) == [(0, ref(0), Leg.P)] and out[-1] == Finish(Outcome.RELAY, FinishReason.STOP)
+    lc, _ = started(DIRECT, max_tokens=1)
+    assert lc.handle(Prefilled(0.5, ref(0)))[-1].reason is FinishReason.LENGTH
+
+
+# --- the filter -------------------------------------------------------------------
+def test_live_filter_cancels_the_wan_copy_when_rld_ends_first():
+    d = decision(Pipeline.RELAY, est=10.0, filterable=True)
+    lc, _ = started(d, max_tokens=4)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    out = rld_tokens(lc, 0, 1)
+    assert CancelTransfer("m0", "abnormal traffic: RLD finishes first") in out
+    assert Abort(Leg.MD, "m0") in out and lc.outcome is Outcome.RELAY_CANCELLED
+    (note,) = [c for c in out if isinstance(c, Note) and c.event == "filter_cancel"]
+    assert note.fields["remaining_wan_s"] == pytest.approx(remaining_wan_s(d, 1.0 - 0.5))
+    # P reports the cancelled copy as failed: not a WAN failure; the request goes on on RLD.
+    assert lc.handle(TransferEnded(1.1, "m0", False, "cancelled")) == [ReleaseP("p0")]
+    out = rld_tokens(lc, 1, 4) + lc.handle(DecodeEnded(2.0, Leg.RLD, EndReason.LENGTH))
+    assert out[-1] == Finish(Outcome.RELAY_CANCELLED, FinishReason.LENGTH)
+
+
+def test_live_filter_leaves_other_relays_alone():
+    lc, _ = started(decision(Pipeline.RELAY, est=10.0, filterable=False), max_tokens=4)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    assert of(rld_tokens(lc, 0, 2), CancelTransfer) == []
+
+
+def test_relay_ending_on_rld_keeps_the_wan_copy_landing_for_mds_cache():
+    lc, _ = started(RELAY, max_tokens=3)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    out = rld_tokens(lc, 0, 3) + lc.handle(DecodeEnded(1.0, Leg.RLD, EndReason.LENGTH))
+    assert Abort(Leg.MD, "m0", keep_kv=True, background=False) in out and of(out, CancelTransfer) == []
+    assert out[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH) and lc.ended_on_rld and lc.warming
+
+
+def test_filter_class_relay_ending_on_rld_drops_the_copy():
+    lc, _ = started(decision(Pipeline.RELAY, filterable=True, est=0.6), max_tokens=3,
+                    cfg=PolicyConfig(enable_filter=False))
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    out = rld_tokens(lc, 0, 3) + lc.handle(DecodeEnded(1.0, Leg.RLD, EndReason.LENGTH))
+    assert of(out, CancelTransfer) == [CancelTransfer("m0", "request finished on RLD first")]
+
+
+# --- failures -----------------------------------------------------------------------
+def test_direct_failover_to_rld_when_md_fails_before_a_token():
+    lc, _ = started(DIRECT)
+    lc.handle(Prefilled(0.5, ref(0)))
+    out = lc.handle(DecodeEnded(0.7, Leg.MD, EndReason.ERROR, "boom", healthy("r0", "r1", "m0")))
+    assert of(out, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False)]
+    assert of(out, StartTransfer) == [StartTransfer("r0")] and lc.outcome is Outcome.FAILOVER
+    lc.handle(TransferEnded(0.8, "m0", False, "reset"))
+    lc.handle(TransferEnded(0.9, "r0", True))
+    out = rld_tokens(lc, 0, 20) + lc.handle(DecodeEnded(2.0, Leg.RLD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(20)]
+    assert out[-1] == Finish(Outcome.FAILOVER, FinishReason.LENGTH)
+
+
+def test_direct_md_failure_with_no_rld_is_a_clear_error():
+    lc, _ = started(DIRECT)
+    lc.handle(Prefilled(0.5, ref(0)))
+    out = lc.handle(PeerGone(0.7, Leg.MD, "silent", healthy("m0")))
+    assert out[-1].reason is FinishReason.ERROR and "main decode failed: silent" in out[-1].error
+
+
+def test_wan_cut_during_a_relay_leaves_the_stream_to_rld():
+    lc, _ = started(RELAY)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 4)
+    out = lc.handle(TransferEnded(1.0, "m0", False, "connection reset"))
+    assert WanFailed() in out and Abort(Leg.MD, "m0") in out and ReleaseP("p0") in out
+    out = rld_tokens(lc, 4, 20) + lc.handle(DecodeEnded(2.0, Leg.RLD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(20)] and out[-1].outcome is Outcome.RELAY
+
+
+def test_md_lost_after_the_final_batch_resumes_rld_with_its_held_tokens():
+    lc, _ = started(RELAY)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 5)
+    lc.handle(KvReady(1.0, rld_view()))
+    rld_tokens(lc, 5, 7)                          # held: RLD was already past stop_at
+    out = lc.handle(DecodeEnded(1.5, Leg.MD, EndReason.ERROR, "MD died"))
+    assert ResumeRld("r0") in out
+    assert emitted(out) == [(5, ref(5), Leg.RLD), (6, ref(6), Leg.RLD)]
+    out = rld_tokens(lc, 7, 20) + lc.handle(DecodeEnded(2.0, Leg.RLD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(20)] and out[-1].reason is FinishReason.LENGTH
+
+
+def test_output_ending_at_the_final_batch_ends_the_request():
+    """RLD made the last token before MD was ready: MD's normal end at the
+    handoff point finishes the request (it used to wait for the deadline)."""
+    lc, _ = started(RELAY, max_tokens=4)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 4)
+    lc.handle(KvReady(1.0, rld_view()))
+    assert lc.handle(DecodeEnded(1.1, Leg.RLD, EndReason.LENGTH)) == []    # paused: MD decides
+    out = lc.handle(DecodeEnded(1.2, Leg.MD, EndReason.LENGTH))
+    assert out[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH) and lc.tokens == [ref(i) for i in range(4)]
+
+
+def test_md_lost_after_rld_finished_while_paused_ends_on_rld():
+    lc, _ = started(RELAY, max_tokens=6)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 4)
+    lc.handle(KvReady(1.0, rld_view()))
+    rld_tokens(lc, 4, 6)
+    lc.handle(DecodeEnded(1.1, Leg.RLD, EndReason.LENGTH))
+    out = lc.handle(DecodeEnded(1.2, Leg.MD, EndReason.ERROR, "MD died"))
+    assert out[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH) and lc.tokens == [ref(i) for i in range(6)]
+
+
+def test_rld_lost_before_the_handoff_md_takes_over_at_the_users_token():
+    lc, _ = started(RELAY)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 6)
+    out = lc.handle(PeerGone(1.0, Leg.RLD, "silent", healthy("m0")))
+    assert Abort(Leg.RLD, "r0") in out and of(out, ExtendMd) == []      # MD's KV not there yet
+    lc.handle(TransferEnded(1.5, "m0", True))
+    out = lc.handle(KvReady(1.6))
+    assert of(out, ExtendMd) == [ExtendMd("m0", tuple(ref(i) for i in range(1, 6)), True)]
+    out = md_tokens(lc, 6, 20) + lc.handle(DecodeEnded(2.0, Leg.MD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(20)] and out[-1].reason is FinishReason.LENGTH
+
+
+def test_rld_lost_on_a_filtered_request_p_resends_to_md():
+    lc, _ = started(FILTERED, warm_blocks=2)          # P holds the KV while the warm copy crosses
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 3)
+    out = lc.handle(DecodeEnded(1.0, Leg.RLD, EndReason.CLOSED, healthy=healthy("m1", "m0")))
+    assert of(out, OpenDecode) == [OpenDecode(Leg.MD, "m0", True)] and StartTransfer("m0") in out
+    lc.handle(TransferEnded(1.5, "m0", True))
+    out = lc.handle(KvReady(1.6))
+    assert of(out, ExtendMd) == [ExtendMd("m0", (ref(1), ref(2)), True)]
+    md_tokens(lc, 3, 20)
+    assert lc.handle(DecodeEnded(2.0, Leg.MD, EndReason.LENGTH))[-1].reason is FinishReason.LENGTH
+
+
+def test_rld_lost_with_no_md_to_take_over_fails_naming_rld():
+    lc, _ = started(WAN_DOWN)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))          # P released: nobody holds the KV
+    rld_tokens(lc, 0, 3)
+    out = lc.handle(DecodeEnded(1.0, Leg.RLD, EndReason.ERROR, "reset", healthy("m0")))
+    assert out[-1].reason is FinishReason.ERROR and "relay decode instance r0 was lost (reset)" in out[-1].error
+
+
+def test_rld_kv_transfer_failure_counts_as_rld_lost():
+    lc, _ = started(RELAY)
+    lc.handle(Prefilled(0.5, ref(0)))
+    out = lc.handle(TransferEnded(0.6, "r0", False, "refused", healthy("m0")))
+    assert any(isinstance(c, Note) and c.event == "rld_lost" for c in out) and lc.owner is Leg.MD
+    lc.handle(TransferEnded(1.5, "m0", True))
+    out = lc.handle(KvReady(1.6))
+    # Nothing streamed yet: P's first token goes out, MD extends nothing past it.
+    assert emitted(out) == [(0, ref(0), Leg.P)] and of(out, ExtendMd) == [ExtendMd("m0", (), True)]
+
+
+def test_both_decoders_lost_is_an_error():
+    lc, _ = started(RELAY)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 3)
+    lc.handle(PeerGone(1.0, Leg.RLD, "silent", healthy("m0")))
+    out = lc.handle(DecodeEnded(1.2, Leg.MD, EndReason.ERROR, "MD died"))
+    assert out[-1].reason is FinishReason.ERROR and "after relay decode r0 was lost" in out[-1].error
+
+
+def test_prefill_failure_client_gone_and_deadline_end_the_request():
+    lc, _ = started(RELAY)
+    assert "prefill failed: oom" in lc.handle(PrefillEnded(0.1, "oom"))[-1].error
+    lc, _ = started(RELAY)
+    lc.handle(Prefilled(0.5, ref(0)))
+    assert lc.handle(ClientGone(0.6)) == [Finish(Outcome.RELAY, FinishReason.CLIENT_GONE)]
+    assert lc.handle(DecodeToken(0.7, Leg.RLD, 0, ref(0))) == []       # nothing after the end
+    lc, _ = started(DIRECT)
+    assert lc.handle(DeadlinePassed(9.0))[-1].error == "request deadline exceeded"
+
+
+def test_out_of_order_tokens_are_an_error_not_a_wrong_stream():
+    lc, _ = started(RELAY)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    out = lc.handle(DecodeToken(1.0, Leg.RLD, 1, ref(1)))
+    assert emitted(out) == [] and "out of order" in out[-1].error
+
+
+def test_watched_streams_follow_the_lifecycle():
+    lc, _ = started(RELAY)
+    lc.handle(Prefilled(0.5, ref(0)))
+    assert lc.watched() == []                           # RLD waits for its KV legitimately
+    lc.handle(TransferEnded(0.6, "r0", True))
+    assert lc.watched() == [(Leg.RLD, 0.6)]
+    rld_tokens(lc, 0, 2, t=0.9)
+    lc.handle(KvReady(1.0, rld_view()))                 # one-shot: RLD paused, MD extends
+    assert lc.watched() == [(Leg.MD, 1.0)]
+
+
+# --- the shared rules -----------------------------------------------------------------
+def test_pick_spare_is_routings_rule_without_affinity():
+    views = (InstanceView("r1", Role.RELAY, "a", 3, 0, 8, 1000, 1000),
+             InstanceView("r0", Role.RELAY, "a", 1, 0, 8, 1000, 1000),
+             InstanceView("r2", Role.RELAY, "a", 0, 0, 8, 0, 1000),       # no room for the KV
+             InstanceView("m0", Role.MAIN, "b", 0, 0, 8, 1000, 1000))
+    assert pick_spare(views, Role.RELAY, set(), REQ, 0.0, CFG) == "r0"
+    assert pick_spare(views, Role.RELAY, {"r0"}, REQ, 0.0, CFG) == "r1"
+    assert pick_spare(views, Role.RELAY, {"r0", "r1"}, REQ, 0.0, CFG) == "r2"   # full beats none
+    assert pick_spare(views, Role.MAIN, {"m0"}, REQ, 0.0, CFG) is None
+
+
+def test_one_outcome_label_per_decision():
+    assert [Outcome.of(d) for d in (DIRECT, RELAY, FILTERED, WAN_DOWN)] == [
+        Outcome.DIRECT, Outcome.RELAY, Outcome.RELAY_FILTERED, Outcome.WAN_DOWN]
+
+
+def test_world_runs_a_relay_to_the_end_in_order():
+    w = World(RELAY, num_out=12, max_tokens=30)
+    w.run(lambda n: n - 1)                               # always the last enabled action
+    assert w.user == [ref(i) for i in range(12)] and w.finish.reason is FinishReason.STOP

@@ -1,0 +1,91 @@
+"""RequestLifecycle under every order of events Hypothesis can find, with and
+without faults: the user's stream never duplicates, drops or reorders a
+token, and every request ends (in-memory world: tests/lifecycle_world.py)."""
+
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdd.policy import Pipeline, PipelineDecision, PolicyConfig
+from pdd.policy.lifecycle_io import FinishReason
+from lifecycle_world import World, ref
+
+DECISIONS = {
+    "direct": PipelineDecision(Pipeline.DIRECT, "p0", None, "m0", True, 1000, 0.1, "t"),
+    "relay": PipelineDecision(Pipeline.RELAY, "p0", "r0", "m0", True, 1000, 2.0, "t"),
+    "relay_filterable": PipelineDecision(Pipeline.RELAY, "p0", "r0", "m0", True, 1000, 0.3, "t", True),
+    "filtered": PipelineDecision(Pipeline.RELAY_ONLY, "p0", "r0", "m0", False, 1000, 9.0, "abnormal", True),
+    "wan_down": PipelineDecision(Pipeline.RELAY_ONLY, "p0", "r0", None, False, 0, math.inf, "wan down"),
+}
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def world(data, faults: int) -> World:
+    name = data.draw(st.sampled_from(sorted(DECISIONS)), label="pipeline")
+    mode = data.draw(st.sampled_from(["auto", "one_shot", "catch_up"]), label="handoff")
+    max_tokens = data.draw(st.integers(1, 24), label="max_tokens")
+    num_out = data.draw(st.integers(1, 24), label="num_out")
+    warm = data.draw(st.sampled_from([0, 2]), label="warm_blocks") if name == "filtered" else 0
+    cfg = PolicyConfig(handoff_mode=mode, catchup_threshold_tokens=2, catchup_final_max_tokens=1)
+    w = World(DECISIONS[name], num_out, max_tokens, cfg, warm_blocks=warm)
+    w.extra_after_pause = data.draw(st.integers(0, 3), label="tokens past a pause")
+    w.run(lambda n: data.draw(st.integers(0, n - 1)), faults=faults)
+    return w
+
+
+@SETTINGS
+@given(st.data())
+def test_any_order_without_faults_streams_exactly_the_reference(data):
+    w = world(data, faults=0)
+    assert w.finish.reason in (FinishReason.STOP, FinishReason.LENGTH), w.finish
+    assert w.user == [ref(i) for i in range(w.num_out)]
+    assert not w.used_deadline
+
+
+@SETTINGS
+@given(st.data())
+def test_any_order_with_faults_never_corrupts_the_stream_and_always_ends(data):
+    w = world(data, faults=data.draw(st.integers(1, 3), label="faults"))
+    assert w.finish is not None
+    assert w.user == [ref(i) for i in range(len(w.user))]       # a prefix: nothing duplicated or skipped
+    if w.finish.reason in (FinishReason.STOP, FinishReason.LENGTH):
+        assert len(w.user) == w.num_out
+    else:
+        assert w.finish.reason is FinishReason.CLIENT_GONE or w.finish.error
+
+
+def _run_killing(name: str, victim: str, at_step: int) -> World:
+    """Run in a fixed order (the first enabled action), killing `victim` before step `at_step`."""
+    cfg = PolicyConfig(catchup_threshold_tokens=2, catchup_final_max_tokens=1)
+    w = World(DECISIONS[name], 10, 16, cfg)
+    for step in range(500):
+        if w.finish is not None:
+            w.num_steps = step
+            return w
+        if step == at_step and w.alive[victim]:
+            w.step(("kill", victim))
+            continue
+        acts = w.actions(faults=False)
+        w.step(acts[0]) if acts else w.idle()
+    raise AssertionError("request did not end")
+
+
+def test_each_instance_gone_at_each_step_ends_cleanly():
+    """P, RLD or MD lost before every step of every pipeline: the request
+    ends, its stream a prefix of the reference, complete when it says so."""
+    num_runs = 0
+    for name in sorted(DECISIONS):
+        clean = _run_killing(name, "p0", 10_000)
+        for victim in ("p0", "r0", "m0"):
+            for at in range(clean.num_steps):
+                w = _run_killing(name, victim, at)
+                num_runs += 1
+                assert w.user == [ref(i) for i in range(len(w.user))], (name, victim, at)
+                if w.finish.reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    assert len(w.user) == w.num_out, (name, victim, at)
+                else:
+                    assert w.finish.error, (name, victim, at)
+                assert not w.used_deadline, (name, victim, at, w.finish)
+    assert num_runs > 100
