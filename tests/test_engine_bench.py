@@ -62,3 +62,42 @@ def test_bench_engine_quick_writes_all_numbers(tiny_model_dir, tmp_path, capsys)
 
     printed = capsys.readouterr().out
     assert "decode_speedup_b16" in printed and "prefix hit" in printed and "per-seq" in printed
+
+
+def test_bench_worker_times_our_engine_in_another_process(tiny_model_dir, tmp_path):
+    """The worker protocol end to end with a real process: the pdd backend (what
+    --baseline-src runs) answers prefill and decode with the same counts as Ours."""
+    import os
+    import sys
+    from pathlib import Path
+
+    script = str(Path(bench.__file__).with_name("bench_worker.py"))
+    argv = [sys.executable, script, "--backend", "pdd", "--model", str(tiny_model_dir), "--dtype", "bfloat16",
+            "--num-blocks", "64", "--max-num-batched-tokens", "512"]
+    w = bench.Worker(argv, dict(os.environ), tmp_path / "w.log", timeout_s=120)
+    try:
+        assert _positive(w.startup_s) and w.version
+        wall, cpu, _ = w.prefill(list(range(100, 140)))
+        assert _positive(wall) and _positive(cpu)
+        wall, cpu, tokens, batch = w.decode([list(range(100, 120)), list(range(200, 220))], 5)
+        assert tokens == 2 * 5 and batch == 2 and _positive(wall)
+        try:
+            w._call(op="nonsense")
+            raise AssertionError("an unknown op must be reported")
+        except RuntimeError as e:
+            assert "unknown op" in str(e)
+    finally:
+        w.close()
+    assert w.proc.returncode == 0
+
+
+def test_vs_vllm_without_its_interpreter_says_so(tiny_model_dir, tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--model", str(tiny_model_dir), "--no-hf", "--vs-vllm",
+                              "--vllm-python", str(tmp_path / "nope" / "python"), "--out", str(tmp_path / "e.json")])
+    try:
+        bench.run(args)
+        raise AssertionError("expected SystemExit")
+    except SystemExit as e:
+        assert "--vllm-python" in str(e) and "no interpreter" in str(e)

@@ -125,17 +125,40 @@ def test_load_state_dict_errors_are_clear(tiny):
         model(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), ContiguousAttention(cfg.num_layers))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9, 17])
-def test_skinny_linear_is_the_same_product(rows):
-    """The few-row path (W @ x^T, one row padded to two) computes x @ W^T:
-    same values to float rounding, same shape, a contiguous result."""
-    from pdd.model.llama import SKINNY_LOGITS_ROWS, linear
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 300])
+def test_packed_linear_is_the_same_product(rows, dtype):
+    """The oneDNN path (weights packed once, used from PACKED_MIN_ROWS rows)
+    computes x @ W^T: same values to the dtype's rounding, same shape, a
+    contiguous result; without a pack it is F.linear itself."""
+    from pdd.model.llama import linear, pack_weight
 
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(300, 64, generator=g)
-    x = torch.randn(rows, 64, generator=g)
-    want = torch.nn.functional.linear(x, w)
-    for limit in (5, SKINNY_LOGITS_ROWS):
-        got = linear(x, w, limit)
-        assert got.shape == want.shape and got.is_contiguous()
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    w = torch.randn(300, 64, generator=g).to(dtype)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    want = torch.nn.functional.linear(x.double(), w.double())
+    packed = pack_weight(w)
+    assert packed is not None      # oneDNN is in every CPU build we pin
+    got = linear(x, w, packed)
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * 8)
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_model_packs_its_weights_on_load_and_can_drop_them(tiny_model):
+    """load_state_dict_hf packs every weight matrix; logits with and without the packs agree."""
+    from model_fixtures import our_logits
+
+    model, _ = tiny_model
+    assert model.packed_logits is not None and all(
+        p is not None for layer in model.layers for p in layer.packed.values())
+    ids = list(range(3, 40))
+    try:
+        packed = our_logits(model, ids)
+        model.pack(False)
+        assert model.packed_logits is None and not model.layers[0].packed
+        plain = our_logits(model, ids)
+    finally:
+        model.pack()
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)

@@ -181,6 +181,27 @@ def test_calibration_from_bench_folders(tmp_path):
     assert set(again.coefficients(2)) == {"mfu", "mbu", "overhead_s", "per_seq_s"}
 
 
+def test_calibration_takes_the_runs_engine_dtype(tmp_path):
+    """A run served in bf16 is fitted with half the embedded model's weight and KV
+    bytes (read from the deploy.toml beside its steps); mixed dtypes are refused."""
+    from pdd.sim.deployment import calibration_model
+
+    run = _fake_run(tmp_path)
+    fp32 = calibration_model("smollm2-135m", [run])
+    assert fp32 == get_model("smollm2-135m")
+    for mode in ("pd-local", "pdd"):
+        f = run / mode / "deploy.toml"
+        f.write_text(f.read_text().replace("[engine]", '[engine]\ndtype = "bfloat16"', 1))
+    bf16 = calibration_model("smollm2-135m", [run])
+    assert 2 * bf16.kv_bytes_per_token == fp32.kv_bytes_per_token
+    assert 2 * bf16.weight_bytes_per_param == fp32.weight_bytes_per_param
+    assert calibration_model("smollm2-135m", [run / "pdd" / "steps.jsonl"]) == bf16
+    f = run / "pdd" / "deploy.toml"
+    f.write_text(f.read_text().replace('dtype = "bfloat16"', 'dtype = "float32"'))
+    with pytest.raises(ValueError, match="different engine dtypes"):
+        calibration_model("smollm2-135m", [run])
+
+
 def test_validate_a_bench_folder(tmp_path):
     """Validation of a run whose 'measurements' are the simulator's own: zero error."""
     from pdd.sim.validate import validate

@@ -307,6 +307,9 @@ def _check_topology(spec: DeploymentSpec) -> None:
             if not _DNS_LABEL.fullmatch(n) or n == ROUTER_CERT_NAME:
                 raise SpecError(f"instances[{k}].name {n!r}: with TLS on, names are certificate names: letters, "
                                 f"digits and inner '-' (at most 63), and not {ROUTER_CERT_NAME!r}")
+    dtypes = {i.engine.dtype for i in spec.instances}
+    if len(dtypes) > 1:   # KV moves between instances as raw blocks: one dtype for all
+        raise SpecError(f"instances: every engine must use one dtype (KV crosses between them), got {sorted(dtypes)}")
     ports = [(i.host, p) for i in spec.instances for p in (i.port, i.kv_port)] + [(spec.router_host, spec.router_port)]
     if len(set(ports)) != len(ports):
         raise SpecError("instances: every port (port, kv_port, router.port) must be distinct")

@@ -1,6 +1,7 @@
 """`pdd bench engine`: our engine against plain HF transformers `generate`, on one CPU.
 
     pdd bench engine --out results/engine.json [--model PATH] [--threads 1] [--repeats 3] [--quick]
+                     [--dtypes float32,bfloat16] [--vs-vllm [--vllm-python P]] [--baseline-src DIR]
 
 Everything is measured in one process, on the same weights (fp32), with the
 same thread count, and repeats are interleaved (ours, then HF, then ours ...)
@@ -32,6 +33,13 @@ so that a noisy neighbour on a shared machine hurts both sides alike.
   share of the step is timed around the per-layer callback. Two block
   layouts: "pool" (as a fresh engine's pool lays out prompts that then
   decoded 64 tokens) and "scattered" (a random permutation: the worst case).
+* other engines side by side (prefill and decode only): `--dtypes` adds
+  ours in bf16 ("ours_bf16"); `--vs-vllm` vLLM in each dtype ("vllm",
+  "vllm_bf16": an in-process V1 LLMEngine, eager, prefix caching on, block
+  size `--vllm-block-size`, one thread) and `--baseline-src DIR` our engine
+  from another checkout ("base", "base_bf16": before/after), each in a
+  worker process (`bench_worker.py`) started once; every repeat times each
+  engine in turn on the same prompts and token counts.
 * every number is wall-clock (the headline); process CPU time is recorded
   beside it (cpu_*) as a cross-check on a shared machine: with one thread it
   leaves out the time the process waited for a core.
@@ -84,6 +92,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context per sequence of the long-context decode steps (0: skip)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtypes", default="float32", metavar="D,D",
+                        help="our engine in these dtypes (float32 always; e.g. float32,bfloat16)")
+    parser.add_argument("--vs-vllm", action="store_true",
+                        help="also time vLLM in each of --dtypes, in a worker process (--vllm-python)")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="interpreter of a venv with vLLM")
+    parser.add_argument("--vllm-dtypes", default=None, metavar="D,D",
+                        help="vLLM only in these dtypes (default: --dtypes); each is a ~2.5 GB process")
+    parser.add_argument("--vllm-block-size", type=int, default=128)
+    parser.add_argument("--baseline-src", default=None, metavar="DIR",
+                        help="also time our engine from another checkout (DIR/src), in a worker: before/after")
+    parser.add_argument("--worker-timeout", type=float, default=900.0, metavar="S",
+                        help="longest wait for a worker's start or answer")
 
 
 def _int_list(s: str) -> list[int]:
@@ -118,12 +138,12 @@ class _Stamps:
 # ---------------------------------------------------------------------- ours
 class Ours:
     def __init__(self, model, model_cfg, block_size: int, num_blocks: int, budget: int, max_seqs: int,
-                 threads: int):
+                 threads: int, dtype: str = "float32"):
         from pdd.engine.config import EngineConfig
 
         self.model, self.model_cfg = model, model_cfg
         self.ecfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_seqs,
-                                 max_num_batched_tokens=budget, num_threads=threads, dtype="float32")
+                                 max_num_batched_tokens=budget, num_threads=threads, dtype=dtype)
         self._n = 0
 
     def engine(self):
@@ -175,6 +195,106 @@ class Ours:
         if any(s.num_prefill_tokens for s in steps):
             raise RuntimeError("a decode step contained prefill tokens")
         return dt, cpu, made, sum(s.batch_size for s in steps) / max(1, len(steps))
+
+
+# ---------------------------------------------------------------------- other engines, in workers
+SHORT = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}
+
+
+class Worker:
+    """A bench_worker.py process (vLLM, or our engine from another checkout) that
+    takes the same measurements as `Ours` when asked; see bench_worker's protocol."""
+
+    def __init__(self, argv: list[str], env: dict, log_path: Path, timeout_s: float):
+        import subprocess
+
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path, self.timeout_s = log_path, timeout_s
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, env=env)
+        ready = self._read()
+        if not ready.get("ready"):
+            raise RuntimeError(f"worker did not start: {ready}")
+        self.version, self.startup_s = ready.get("version"), ready.get("startup_s")
+
+    def _read(self) -> dict:
+        import select
+
+        r, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
+        line = self.proc.stdout.readline() if r else ""
+        if not line:
+            self.close()
+            raise RuntimeError(f"worker gave no answer within {self.timeout_s:g} s (exit code "
+                               f"{self.proc.poll()}); its log: {self.log_path}")
+        ans = json.loads(line)
+        if "error" in ans:
+            raise RuntimeError(f"worker: {ans['error']} (log: {self.log_path})")
+        return ans
+
+    def _call(self, **cmd) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            code = self.proc.wait()
+            raise RuntimeError(f"worker exited with code {code}"
+                               + (" (killed: out of memory?)" if code == -9 else "")
+                               + f"; its log: {self.log_path}") from None
+        return self._read()
+
+    def prefill(self, prompt: list[int]) -> tuple[float, float, int]:
+        a = self._call(op="prefill", prompt=prompt)
+        return a["wall_s"], a["cpu_s"], 0
+
+    def decode(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, int, float]:
+        a = self._call(op="decode", prompts=prompts, new_tokens=new_tokens)
+        return a["wall_s"], a["cpu_s"], a["tokens"], float(len(prompts))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def start_workers(args, folder: Path, dtypes: list[str], sizes: dict, budget: int, num_blocks: int,
+                  out: Path) -> dict[str, Worker]:
+    """name -> Worker: vllm[_bf16] with --vs-vllm, base[_bf16] with --baseline-src."""
+    script = str(Path(__file__).with_name("bench_worker.py"))
+    longest = max([*sizes["prefill_lens"], sizes["prefix_prompt"], sizes["decode_prompt"] + sizes["decode_tokens"] + 2])
+    common = ["--model", str(folder), "--threads", str(args.threads), "--max-num-batched-tokens", str(budget),
+              "--max-num-seqs", str(max(32, *sizes["decode_batches"])), "--max-model-len", str(longest + 8)]
+    plan = []
+    if args.vs_vllm:
+        python = Path(args.vllm_python)
+        if not python.exists():
+            raise SystemExit(f"--vs-vllm: no interpreter at {python} (a venv with vLLM; --vllm-python)")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        for d in (args.vllm_dtypes.split(",") if args.vllm_dtypes else dtypes):
+            plan.append((f"vllm{SHORT[d]}", [str(python), script, "--backend", "vllm", "--dtype", d,
+                                             "--block-size", str(args.vllm_block_size)], env))
+    if args.baseline_src:
+        env = dict(os.environ, PYTHONPATH=str(Path(args.baseline_src).resolve() / "src"))
+        for d in dtypes:
+            plan.append((f"base{SHORT[d]}", [sys.executable, script, "--backend", "pdd", "--dtype", d,
+                                             "--block-size", str(args.block_size),
+                                             "--num-blocks", str(num_blocks)], env))
+    workers: dict[str, Worker] = {}
+    try:
+        for name, argv, env in plan:
+            _log(f"starting worker {name} ...")
+            workers[name] = Worker(argv + common, env, out.with_suffix(f".{name}.log"), args.worker_timeout)
+    except BaseException:
+        for w in workers.values():
+            w.close()
+        raise
+    return workers
 
 
 # ---------------------------------------------------------------------- long-context decode
@@ -346,14 +466,41 @@ def run(args) -> int:
     need = max(longest + 1, max(batches) * (dprompt + dtok + 2))
     num_blocks = -(-need // bs) + max(batches) + 8
     ours = Ours(model, mcfg, bs, num_blocks, budget, max(32, max(batches)), args.threads)
+    dtypes = ["float32"] + [d for d in args.dtypes.split(",") if d.strip() and d.strip() != "float32"]
+    if any(d not in SHORT for d in dtypes):
+        print(f"--dtypes: choose from {sorted(SHORT)}", file=sys.stderr)
+        return 2
+    # every engine timed beside `ours`, in the order they alternate
+    others: dict = {}
+    for d in dtypes[1:]:
+        from pdd.engine.runner import DTYPES
+
+        md, _ = load_model(folder, DTYPES[d])
+        others[f"ours{SHORT[d]}"] = Ours(md, mcfg, bs, num_blocks, budget, max(32, max(batches)), args.threads, d)
+    others.update(start_workers(args, folder, dtypes, sizes, budget, num_blocks, Path(args.out)))
+    try:
+        return _run_all(args, sizes, model, mcfg, folder, ours, others, dtypes, bs, num_blocks, budget)
+    finally:
+        for o in others.values():
+            if isinstance(o, Worker):
+                o.close()
+
+
+def _run_all(args, sizes, model, mcfg, folder, ours, others, dtypes, bs, num_blocks, budget) -> int:
+    import torch
+
+    vocab = mcfg.vocab_size
+    batches, dprompt, dtok = sizes["decode_batches"], sizes["decode_prompt"], sizes["decode_tokens"]
+    plen = sizes["prefix_prompt"]
     hf = HF(folder) if args.hf else None
     rng = random.Random(args.seed)
     R = args.repeats
 
     # warm-up: allocator, oneDNN/MKL kernels, HF generate machinery
     wp = _prompts(rng, 2, 32, vocab)
-    ours.prefill(wp[0])
-    ours.decode(wp, 4)
+    for o in (ours, *others.values()):
+        o.prefill(wp[0])
+        o.decode(wp, 4)
     if hf:
         hf.prefill(wp[0])
         hf.decode(wp, 4, "dynamic")
@@ -361,7 +508,10 @@ def run(args) -> int:
 
     result: dict = {
         "settings": {
-            "model": str(folder), "model_id": mcfg.model_id, "dtype": "float32",
+            "model": str(folder), "model_id": mcfg.model_id, "dtype": "float32", "dtypes": dtypes,
+            "others": {k: getattr(o, "version", None) or "ours" for k, o in others.items()},
+            "vllm_block_size": args.vllm_block_size if args.vs_vllm else None,
+            "worker_startup_s": {k: o.startup_s for k, o in others.items() if isinstance(o, Worker)},
             "threads": args.threads, "repeats": R, "quick": bool(args.quick), "seed": args.seed,
             "block_size": bs, "num_blocks": num_blocks, "max_num_batched_tokens": budget,
             "prefill_one_pass": True, **sizes,
@@ -379,16 +529,21 @@ def run(args) -> int:
     for L in sizes["prefill_lens"]:
         _log(f"prefill {L} tokens ...")
         o, oc, h, hc = [], [], [], []
+        xs: dict[str, tuple[list, list]] = {k: ([], []) for k in others}
         for _ in range(R):
             p = _prompts(rng, 1, L, vocab)[0]
             dt, cpu, _ = ours.prefill(p)
             o.append(dt)
             oc.append(cpu)
+            for k, eng in others.items():
+                dt, cpu, _ = eng.prefill(p)
+                xs[k][0].append(dt)
+                xs[k][1].append(cpu)
             if hf:
                 dt, cpu = hf.prefill(p)
                 h.append(dt)
                 hc.append(cpu)
-        e = {"ours": _summ(o, L, oc)}
+        e = {"ours": _summ(o, L, oc)} | {k: _summ(w, L, c) for k, (w, c) in xs.items()}
         if hf:
             e["hf"] = _summ(h, L, hc)
             e["speedup"] = e["hf"]["median_s"] / e["ours"]["median_s"]
@@ -404,18 +559,26 @@ def run(args) -> int:
         hc: dict[str, list[float]] = {"dynamic": [], "static": []}
         o_tokens = h_tokens = 0
         mean_batch = []
+        xs = {k: ([], []) for k in others}
         for _ in range(R):
             ps = _prompts(rng, N, dprompt, vocab)
             dt, cpu, o_tokens, mb = ours.decode(ps, dtok)
             o.append(dt)
             oc.append(cpu)
             mean_batch.append(mb)
+            for k, eng in others.items():
+                dt, cpu, x_tokens, _ = eng.decode(ps, dtok)
+                if x_tokens != o_tokens:
+                    raise RuntimeError(f"{k} made {x_tokens} decode tokens, ours {o_tokens}")
+                xs[k][0].append(dt)
+                xs[k][1].append(cpu)
             if hf:
                 for cache in h:
                     dt, cpu, h_tokens = hf.decode(ps, dtok, cache)
                     h[cache].append(dt)
                     hc[cache].append(cpu)
         e = {"ours": {**_summ(o, o_tokens, oc), "mean_batch": _median(mean_batch)}}
+        e |= {k: _summ(w, o_tokens, c) for k, (w, c) in xs.items()}
         if hf:
             e["hf_dynamic"] = _summ(h["dynamic"], h_tokens, hc["dynamic"])
             e["hf_static"] = _summ(h["static"], h_tokens, hc["static"])
@@ -510,6 +673,7 @@ def format_table(r: dict) -> str:
             row += (f"{e['hf_dynamic']['tok_s']:>12.1f}{e['hf_static']['tok_s']:>12.1f}"
                     f"{e['speedup']:>9.2f}x{e['cpu_speedup']:>11.2f}x")
         lines.append(row)
+    lines.extend(_side_by_side(r))
     p = r["prefix_hit"]
     lines.append("")
     lines.append(f"prefix hit: {p['prompt_tokens']}-token prompt, {p['cached_tokens']} cached "
@@ -531,6 +695,19 @@ def format_table(r: dict) -> str:
                  f"{TARGET_DECODE_SPEEDUP_B16:g}x); prefix_hit_speedup = {r['prefix_hit_speedup']:.2f}x "
                  f"(target >= {TARGET_PREFIX_HIT_SPEEDUP:g}x)")
     return "\n".join(lines)
+
+
+def _side_by_side(r: dict) -> list[str]:
+    """tok/s of every engine timed beside ours (--dtypes, --vs-vllm, --baseline-src), one column each."""
+    names = ["ours", *r["settings"].get("others", {})]
+    if len(names) == 1:
+        return []
+    lines = ["", "| tok/s | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    rows = [(f"decode, batch {N}", e) for N, e in r["decode"].items()]
+    rows += [(f"prefill, {L} tokens", e) for L, e in r["prefill"].items()]
+    for label, e in rows:
+        lines.append(f"| {label} | " + " | ".join(f"{e[n]['tok_s']:.1f}" for n in names) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - `pdd bench engine` is the entry

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Bytes per element of each serving dtype: the KV cache, its blocks on the
+# wire and the simulator's KV and weight sizes all follow the engine's dtype.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -22,7 +26,11 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"engine.{name} must be a positive integer, got {v!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"engine.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("engine.max_num_batched_tokens must be >= engine.block_size")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]

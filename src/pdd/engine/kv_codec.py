@@ -25,6 +25,7 @@ import json
 import struct
 from dataclasses import asdict, dataclass
 
+from pdd.engine.config import DTYPE_BYTES
 from pdd.engine.hashing import hash_blocks
 
 MAGIC = b"PDDKV1"
@@ -47,8 +48,12 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        itemsize = 4 if self.dtype == "float32" else 2
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token, every layer, in the layout's dtype."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)

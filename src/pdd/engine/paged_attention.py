@@ -160,6 +160,7 @@ class PagedAttention:
         self.kv = kv  # [L, 2, S, KVH, D]
         self.md = md
         self._dec_buf: torch.Tensor | None = None  # decode gather target, reused by every layer
+        self._dec_mask: torch.Tensor | None = None  # decode_mask as SDPA's additive form, made once a step
         self._each_buf: torch.Tensor | None = None  # [2, nblk_max, bs, KVH, D], same for _decode_each
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -204,7 +205,11 @@ class PagedAttention:
         g = g.view(2, B, -1, KVH, D)                                         # [2, B, Lpad, KVH, D]
         kd = g[0].transpose(1, 2)                                            # [B, KVH, Lpad, D]
         vd = g[1].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=md.decode_mask, enable_gqa=True)
+        if self._dec_mask is None:
+            # SDPA turns a bool mask into this (0 / -inf in q's dtype) on every call: once per step instead
+            self._dec_mask = torch.zeros(md.decode_mask.shape, dtype=qd.dtype).masked_fill_(
+                ~md.decode_mask, float("-inf"))
+        od = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=self._dec_mask, enable_gqa=True)
         return od.squeeze(2)                                                 # [B, H, D]
 
     def _decode_each(self, paged: torch.Tensor, qd: torch.Tensor, KVH: int, H: int, D: int) -> torch.Tensor:

@@ -23,6 +23,10 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
+        model_dtype = getattr(model, "dtype", self.dtype)
+        if model_dtype != self.dtype:
+            raise ValueError(f"engine.dtype is {cfg.dtype} but the model's weights are {model_dtype}: "
+                             f"load the model in the engine's dtype")
         self.kv = torch.zeros(
             model_cfg.num_layers, 2, cfg.num_blocks * cfg.block_size,
             model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype,

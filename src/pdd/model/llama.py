@@ -25,26 +25,36 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 
-# A decode step multiplies a few rows (one per sequence) by every weight
-# matrix. On CPU, `F.linear` (x @ W^T) is 1.5-2.3x slower with 2-5 rows than
-# the same dot products computed as W @ x^T, and with 2-3 rows slower than
-# with 4 or 8 (measured here on SmolLM2's matrices, weights streamed from
-# memory: 30 layers, 2 rows 65 ms vs 28 ms, 3 rows 91 vs 41, 4 rows 53 vs 38,
-# 6 rows 57 vs 61). The logits' 49K x 576 matrix keeps the advantage up to
-# 8 rows (2 rows 25 ms vs 7 ms, 8 rows 20 vs 17). A single row is faster
-# padded to two than as a matrix-vector product (30 ms vs 40 ms).
-SKINNY_ROWS = 5
-SKINNY_LOGITS_ROWS = 8
+# Weight matmuls go through oneDNN with each weight reordered once, at load,
+# into the blocked layout its kernels read (what torch.compile's CPU freezing
+# does). Measured on this CPU, one thread, SmolLM2's 30 layers of matrices
+# (ms per pass, 2026-12-04): fp32 with 1 / 3 / 4 / 8 / 16 / 512 rows took
+# 38 / 40 / 38 / 44 / 54 / 583 packed against 31 / 35 / 53 / 69 / 72 / 617 as
+# `F.linear`; bf16 21 / 21 / 21 / 21 / 22 / 76 packed against 30 / 31 / 31 /
+# 32 / 32 / 109 (and 24 as W @ x^T, the old few-rows path, now slower than
+# `F.linear` in fp32). So fp32 takes the packed path from 4 rows, bf16
+# always. The packed tensors are oneDNN-opaque copies kept beside the plain
+# weights (which stay the reference, the embedding, and the few-rows fp32
+# path). One pack serves every row count; 16 is only its hint.
+PACKED_MIN_ROWS = {torch.float32: 4}   # other dtypes: from 1 row
+PACK_HINT_ROWS = 16
 
 
-def linear(x: Tensor, w: Tensor, skinny_rows: int = SKINNY_ROWS) -> Tensor:
-    """x [M, in] @ w[out, in]^T; on CPU with M <= skinny_rows as W @ x^T."""
-    m = x.shape[0]
-    if m > skinny_rows or x.device.type != "cpu":
-        return F.linear(x, w)
-    if m == 1:
-        return torch.mm(w, torch.cat([x, x]).t())[:, :1].t().contiguous()
-    return torch.mm(w, x.t()).t().contiguous()
+def pack_weight(w: Tensor) -> Tensor | None:
+    """w [out, in] -> an oneDNN-packed copy for `linear`, or None where oneDNN cannot take it."""
+    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT_ROWS)
+    except (RuntimeError, AttributeError):   # a torch built without the op, or a dtype it refuses
+        return None
+
+
+def linear(x: Tensor, w: Tensor, packed: Tensor | None = None) -> Tensor:
+    """x [M, in] @ w[out, in]^T, through the packed copy of w when there is one and M is large enough."""
+    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS.get(x.dtype, 1):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return F.linear(x, w)
 
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
@@ -126,12 +136,18 @@ class LlamaBlock(nn.Module):
         self.wo = _empty_param(cfg.hidden_size, self.q_size, dtype=dtype)
         self.w_gate_up = _empty_param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
         self.w_down = _empty_param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        self.packed: dict[str, Tensor | None] = {}   # weight name -> pack_weight copy (set by pack)
+
+    def pack(self, enabled: bool = True) -> None:
+        names = ("wqkv", "wo", "w_gate_up", "w_down")
+        self.packed = {n: pack_weight(getattr(self, n)) for n in names} if enabled else {}
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionFn) -> Tensor:
         # x: [T, hidden]
         T = x.shape[0]
         h = self.input_layernorm(x)
-        qkv = linear(h, self.wqkv)  # qkv: [T, (H + 2*KVH) * D]
+        pk = self.packed
+        qkv = linear(h, self.wqkv, pk.get("wqkv"))  # qkv: [T, (H + 2*KVH) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # q: [T, H, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # k: [T, KVH, D]
@@ -139,11 +155,11 @@ class LlamaBlock(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         o = attention(self.layer_idx, q, k, v)  # o: [T, H, D]
-        x = x + linear(o.reshape(T, self.q_size), self.wo)  # [T, hidden]
+        x = x + linear(o.reshape(T, self.q_size), self.wo, pk.get("wo"))  # [T, hidden]
         h = self.post_attention_layernorm(x)
-        gate_up = linear(h, self.w_gate_up)  # gate_up: [T, 2*I]
+        gate_up = linear(h, self.w_gate_up, pk.get("w_gate_up"))  # gate_up: [T, 2*I]
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        return x + linear(F.silu(gate) * up, self.w_down)  # [T, hidden]
+        return x + linear(F.silu(gate) * up, self.w_down, pk.get("w_down"))  # [T, hidden]
 
 
 class LlamaModel(nn.Module):
@@ -159,6 +175,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _empty_param(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype
         )
+        self.packed_logits: Tensor | None = None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._build_rope_cache(cfg.max_position_embeddings)
 
@@ -196,7 +213,15 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, w, SKINNY_LOGITS_ROWS).float()
+        return linear(hidden, w, self.packed_logits).float()
+
+    def pack(self, enabled: bool = True) -> None:
+        """Make (or, with enabled=False, drop) the packed weight copies `linear` uses.
+        Called once the weights are loaded; a later change to a weight needs another call."""
+        for layer in self.layers:
+            layer.pack(enabled)
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        self.packed_logits = pack_weight(w) if enabled else None
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -267,3 +292,4 @@ class LlamaModel(nn.Module):
                 n = s.shape[0]
                 dst[off : off + n].copy_(s)
                 off += n
+        self.pack()

@@ -75,12 +75,13 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path, tls_dir: P
     import torch
 
     from pdd.engine.engine import Engine
+    from pdd.engine.runner import DTYPES
     from pdd.model.loader import load_model
     from pdd.model.tokenizer import Tokenizer
     from pdd.server.instance import InstanceServer
 
     torch.set_num_threads(inst.engine.num_threads)
-    model, cfg = load_model(model_dir)
+    model, cfg = load_model(model_dir, DTYPES[inst.engine.dtype])
     try:
         tok = Tokenizer(model_dir)
     except Exception:   # a token-id-only model (tiny test model) still serves ids

@@ -48,7 +48,7 @@ class RouterServer:
         self.policy = PolicyConfig.from_dict(spec.policy)
         engines = [i.engine for i in spec.instances]
         self.block_size = engines[0].block_size
-        self.kv_bytes_per_token = model_cfg.kv_bytes_per_token(4 if engines[0].dtype == "float32" else 2)
+        self.kv_bytes_per_token = model_cfg.kv_bytes_per_token(engines[0].dtype_bytes)
         self.max_model_len = min(e.max_model_len or model_cfg.max_position_embeddings for e in engines)
         self.max_model_len = min(self.max_model_len, model_cfg.max_position_embeddings)
         # A request whose prompt + completion cannot fit an instance's whole

@@ -153,9 +153,9 @@ def _run_calibrate(args) -> int:
     import json
 
     from pdd.sim.calibration import fit
-    from pdd.sim.model_shape import get_model
+    from pdd.sim.deployment import calibration_model
 
-    cal = fit(args.calibrate, get_model(args.model), args.hardware)
+    cal = fit(args.calibrate, calibration_model(args.model, args.calibrate), args.hardware)
     print(json.dumps(cal.to_dict(), indent=2))
     if args.out is not None:
         path = args.out if args.out.suffix == ".json" else args.out / "calibration.json"

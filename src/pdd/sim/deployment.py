@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdd.deploy.spec import DeploymentSpec, Role as DeployRole
+from pdd.engine.config import DTYPE_BYTES
 from pdd.policy import PolicyConfig, Role
 from pdd.sim.model_shape import ModelShape, get_model
 from pdd.sim.scenario import LinkSpec, ModeSpec, PoolSpec, ServingOverheads
 
 DEFAULT_MODELS = {"default", "smollm2", ""}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,25 @@ def model_shape(spec: DeploymentSpec) -> ModelShape:
         kv = base.kv_bytes_per_token * dtype // 4
         return get_model("smollm2-135m", weight_bytes_per_param=float(dtype), kv_bytes_per_token=kv)
     return shape_from_config(Path(spec.model) / "config.json", dtype)
+
+
+def calibration_model(preset: str, steps_paths: list[Path]) -> ModelShape:
+    """The model a calibration fits: the preset, and for the embedded model in
+    the dtype its runs served (the deploy.toml saved beside each steps.jsonl),
+    so a bf16 run is fitted with half the weight and KV bytes."""
+    base = get_model(preset)
+    if preset != "smollm2-135m":
+        return base
+    from pdd.deploy.spec import load_spec
+
+    dtypes = set()
+    for p in steps_paths:
+        files = sorted(p.rglob("deploy.toml")) if p.is_dir() else [p.parent / "deploy.toml"]
+        dtypes |= {load_spec(f).instances[0].engine.dtype for f in files if f.is_file()}
+    if len(dtypes) > 1:
+        raise ValueError(f"runs of different engine dtypes cannot share one calibration: {sorted(dtypes)}")
+    n = DTYPE_BYTES[dtypes.pop()] if dtypes else 4
+    return get_model(preset, weight_bytes_per_param=float(n), kv_bytes_per_token=base.kv_bytes_per_token * n // 4)
 
 
 def shape_from_config(path: Path, dtype_bytes: int = 4) -> ModelShape:
