@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -69,3 +71,27 @@ def deployment_toml(mode: str, model_dir: Path, wan_mbps: float = 80.0, latency_
     if timeouts:
         lines += ["", "[timeouts]"] + [f"{k} = {_toml(v)}" for k, v in timeouts.items()]
     return "\n".join(lines) + "\n"
+
+
+def ids(seed: int, n: int) -> list[int]:
+    """n token ids, seeded: the prompts of the deployment tests."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def run(dep, prompt: list[int], n: int, stream: bool = True) -> tuple[str, dict]:
+    """One greedy completion through the router with the official `openai`
+    client: (text, the router's trace of it)."""
+    import openai
+
+    client = openai.OpenAI(base_url=dep.router_url, api_key="x", max_retries=0, timeout=300)
+    kw = dict(model=client.models.list().data[0].id, prompt=prompt, max_tokens=n, temperature=0,
+              extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        text, rid = "".join(c.choices[0].text for c in chunks if c.choices), chunks[0].id
+    else:
+        r = client.completions.create(**kw)
+        text, rid = r.choices[0].text, r.id
+    with urllib.request.urlopen(f"{dep.router_url}/requests/{rid}/trace", timeout=30) as f:
+        return text, json.loads(f.read())

@@ -5,16 +5,14 @@ pipeline for high-hit requests, the abnormal-traffic filter, and a WAN cut."""
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 
-from deploy_helpers import deployment_toml
+from deploy_helpers import deployment_toml, ids, run
 from pdd.deploy.launcher import Deployment
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
@@ -24,11 +22,6 @@ from pdd.model.tokenizer import Tokenizer
 pytestmark = pytest.mark.slow
 KV_BYTES_PER_TOKEN = 46080          # SmolLM2-135M, fp32
 WAN_MBPS = 40.0                     # 5 MB/s: a 400-token uncached prompt takes ~3.7 s
-
-
-def ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -64,20 +57,6 @@ def start(tmp_path_factory, smollm2_dir, name: str, policy: dict, wan_mbps: floa
     path.write_text(deployment_toml("pdd", smollm2_dir, wan_mbps=wan_mbps, policy=policy,
                                     engine={"num_blocks": 768, "max_num_batched_tokens": 512}))
     return Deployment.start(path, run_dir=d / "run", timeout_s=240)
-
-
-def run(dep: Deployment, prompt: list[int], n: int, stream: bool = True) -> tuple[str, dict]:
-    client = openai.OpenAI(base_url=dep.router_url, api_key="x", max_retries=0, timeout=300)
-    kw = dict(model=client.models.list().data[0].id, prompt=prompt, max_tokens=n, temperature=0,
-              extra_body={"ignore_eos": True})
-    if stream:
-        chunks = list(client.completions.create(stream=True, **kw))
-        text, rid = "".join(c.choices[0].text for c in chunks if c.choices), chunks[0].id
-    else:
-        r = client.completions.create(**kw)
-        text, rid = r.choices[0].text, r.id
-    with urllib.request.urlopen(f"{dep.router_url}/requests/{rid}/trace", timeout=30) as f:
-        return text, json.loads(f.read())
 
 
 def timeline(trace: dict) -> str:

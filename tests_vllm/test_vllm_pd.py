@@ -6,23 +6,17 @@ blocks D's prefix cache lacks; P frees what it held once released."""
 from __future__ import annotations
 
 import json
-import random
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
-from deploy_helpers import deployment_toml
+from deploy_helpers import deployment_toml, ids
 from pdd.deploy.launcher import Deployment
 
 VLLM_ENGINE = {"backend": "vllm", "block_size": 32, "num_blocks": 512, "max_num_seqs": 16,
                "max_num_batched_tokens": 512}
-
-
-def ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,9 @@ or missing token; the next turn goes direct and sends only the new blocks."""
 
 from __future__ import annotations
 
-import json
-import random
-import urllib.request
-
-import openai
 import pytest
 
-from deploy_helpers import deployment_toml
+from deploy_helpers import deployment_toml, ids, run
 from pdd.deploy.launcher import Deployment
 
 KV_BYTES_PER_TOKEN = 46080          # SmolLM2-135M, fp32
@@ -22,31 +17,12 @@ VLLM_ENGINE = {"backend": "vllm", "block_size": 32, "num_blocks": 256, "max_num_
 NO_BUDGETS = {"relay_only_max_share": 1.0, "relay_max_token_share": 1.0}
 
 
-def ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
-
-
 def start(tmp_path_factory, smollm2_dir, name: str, policy: dict, wan_mbps: float) -> Deployment:
     d = tmp_path_factory.mktemp(name)
     path = d / "pdd.toml"
     path.write_text(deployment_toml("pdd", smollm2_dir, wan_mbps=wan_mbps, policy=NO_BUDGETS | policy,
                                     engine=VLLM_ENGINE))
     return Deployment.start(path, run_dir=d / "run", timeout_s=300)
-
-
-def run(dep: Deployment, prompt: list[int], n: int, stream: bool = True) -> tuple[str, dict]:
-    client = openai.OpenAI(base_url=dep.router_url, api_key="x", max_retries=0, timeout=300)
-    kw = dict(model=client.models.list().data[0].id, prompt=prompt, max_tokens=n, temperature=0,
-              extra_body={"ignore_eos": True})
-    if stream:
-        chunks = list(client.completions.create(stream=True, **kw))
-        text, rid = "".join(c.choices[0].text for c in chunks if c.choices), chunks[0].id
-    else:
-        r = client.completions.create(**kw)
-        text, rid = r.choices[0].text, r.id
-    with urllib.request.urlopen(f"{dep.router_url}/requests/{rid}/trace", timeout=30) as f:
-        return text, json.loads(f.read())
 
 
 @pytest.fixture(scope="module", params=["one_shot", "catch_up"])
