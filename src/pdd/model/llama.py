@@ -36,7 +36,12 @@ from .config import ModelConfig
 # always. The packed tensors are oneDNN-opaque copies kept beside the plain
 # weights (which stay the reference, the embedding, and the few-rows fp32
 # path). One pack serves every row count; 16 is only its hint.
+# fp32 prompt chunks (hundreds of rows, of every length) stay on `F.linear`:
+# the packed kernel is only ~6% faster there, and oneDNN builds and keeps a
+# primitive per row count, which grew a prefill instance by ~250 MB over the
+# soak test's mix of prompt lengths (decode batches have few row counts).
 PACKED_MIN_ROWS = {torch.float32: 4}   # other dtypes: from 1 row
+PACKED_MAX_ROWS = {torch.float32: 64}  # other dtypes: no bound
 PACK_HINT_ROWS = 16
 
 
@@ -52,7 +57,8 @@ def pack_weight(w: Tensor) -> Tensor | None:
 
 def linear(x: Tensor, w: Tensor, packed: Tensor | None = None) -> Tensor:
     """x [M, in] @ w[out, in]^T, through the packed copy of w when there is one and M is large enough."""
-    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS.get(x.dtype, 1):
+    m = x.shape[0]
+    if packed is not None and PACKED_MIN_ROWS.get(x.dtype, 1) <= m <= PACKED_MAX_ROWS.get(x.dtype, m):
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return F.linear(x, w)
 
