@@ -12,10 +12,7 @@ import pytest
 
 from deploy_helpers import deployment_toml, ids
 from pdd.deploy.launcher import Deployment
-
-VLLM_ENGINE = {"backend": "vllm", "block_size": 32, "num_blocks": 512, "max_num_seqs": 16,
-               "max_num_batched_tokens": 512}
-
+from vllm_helpers import VLLM_ENGINE, complete
 
 @pytest.fixture(scope="module")
 def colocated(smollm2_dir, tmp_path_factory):
@@ -26,13 +23,6 @@ def colocated(smollm2_dir, tmp_path_factory):
     client = openai.OpenAI(base_url=dep.router_url, api_key="unused", max_retries=0, timeout=120)
     yield dep, client, client.models.list().data[0].id
     dep.stop()
-
-
-def complete(client, model, prompt, n, stream=False):
-    kw = dict(model=model, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
-    if not stream:
-        return client.completions.create(**kw)
-    return list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
 
 
 def test_greedy_text_equals_a_single_vllm_engine(colocated, greedy, tok):
