@@ -39,7 +39,7 @@ class JobKind(Enum):
 
 class Job:
     __slots__ = ("req", "kind", "num_tokens", "done", "ctx_start", "num_blocks", "started", "data",
-                 "shared")
+                 "shared", "last_chunk")
 
     def __init__(self, req: SimRequest, kind: JobKind, num_tokens: int, ctx_start: int,
                  num_blocks: int, data=None) -> None:
@@ -50,6 +50,7 @@ class Job:
         self.started = num_blocks == 0
         self.data = data
         self.shared: list[int] = []
+        self.last_chunk = 0          # tokens of its latest chunk (a streamed transfer's tail)
 
 
 class Seq:
@@ -285,6 +286,10 @@ class SimInstance:
         self.version += 1
         return times[-1]
 
+    def first_chunks(self) -> list[Job]:
+        """Prefill jobs whose first chunk the step under way computes."""
+        return [job for job, _ in self._chunks if job.kind is JobKind.PREFILL and job.done == 0]
+
     def _start_job(self, job: Job) -> bool:
         if job.kind is JobKind.PREFILL and self.cache is not None:
             self._rematch(job)
@@ -346,6 +351,7 @@ class SimInstance:
         for job, c in self._chunks:
             before = (job.ctx_start + job.done) // self.block_size
             job.done += c
+            job.last_chunk = c
             if job.done >= job.num_tokens:
                 out.jobs_done.append(job)
             if job.kind is JobKind.PREFILL and self.cache is not None:

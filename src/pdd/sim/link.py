@@ -99,6 +99,15 @@ class Link:
         self.flows[flow_id] = Flow(flow_id, float(num_bytes), float(num_bytes), now, background)
         return self._next()
 
+    def promote(self, now: float, flow_id: str) -> tuple[float, int] | None:
+        """A background flow becomes foreground (a foreground transfer waits on it)."""
+        f = self.flows.get(flow_id)
+        if f is None or not f.background:
+            return None
+        self._advance(now)
+        f.background = False
+        return self._next()
+
     def cancel(self, now: float, flow_id: str) -> tuple[float, int] | None:
         self._advance(now)
         self.flows.pop(flow_id, None)
