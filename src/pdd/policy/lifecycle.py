@@ -45,7 +45,7 @@ __all__ = ["RequestLifecycle", "pick_spare", "remaining_wan_s"]
 
 def remaining_wan_s(d: PipelineDecision, wan_elapsed_s: float) -> float:
     """Routing's WAN estimate less the time the copy has had."""
-    return max(0.0, d.est_wan_s - max(wan_elapsed_s, 0.0))
+    return max(0.0, d.wait_s - max(wan_elapsed_s, 0.0))
 
 
 class RequestLifecycle(RecoveryRules):

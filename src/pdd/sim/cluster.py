@@ -131,6 +131,8 @@ class Cluster(TransfersMixin, DecodersMixin):
         # after the prefill and its last chunk's bytes.
         self.stream_kv = sv is not None and sv.stream_kv and not self.manifest_wait
         self.after_prefill: dict[str, list] = {}     # request id -> flows done before its prefill
+        for inst in self.instances.values():
+            inst.streams_kv = self.stream_kv
         self.import_wait = sv.import_wait if sv is not None else "none"
         if sv is not None:
             for inst in self.instances.values():

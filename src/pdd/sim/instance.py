@@ -117,6 +117,8 @@ class SimInstance:
         self.busy = False
         self.at_boundary = False             # between two steps, running what waited for it
         self.step_time_s: float | None = None
+        self.prefill_tokens_s: float | None = None   # measured as the engine does (stats)
+        self.streams_kv = False      # P sends blocks while it computes (set by the cluster)
         self.busy_s = 0.0
         self.num_steps = 0
         self._start = 0.0
@@ -193,7 +195,8 @@ class SimInstance:
             num_running=len(self.decoding) + len(self.parked) + started,
             num_waiting=len(self.waiting) + len(self.jobs) - started,
             max_batch=self.max_batch, kv_free_blocks=self.free_blocks,
-            kv_total_blocks=self.kv_blocks, step_time_s=self.step_time_s)
+            kv_total_blocks=self.kv_blocks, step_time_s=self.step_time_s,
+            prefill_tokens_s=self.prefill_tokens_s, chunk_tokens=self.token_budget if self.streams_kv else 0)
 
     # --- stepping ---------------------------------------------------------
     def _admit(self) -> None:
@@ -373,6 +376,11 @@ class SimInstance:
         if out.jobs_done:
             done = set(map(id, out.jobs_done))
             self.jobs = deque(j for j in self.jobs if id(j) not in done)
+        n_pre = sum(c for _, c in self._chunks)
+        if n_pre and now > self._start:
+            rate = n_pre / (now - self._start)
+            self.prefill_tokens_s = rate if self.prefill_tokens_s is None else (
+                self.prefill_tokens_s + 0.2 * (rate - self.prefill_tokens_s))
         if self._batch:
             if not self._chunks:
                 per = (now - self._start) / k

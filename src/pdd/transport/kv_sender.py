@@ -224,11 +224,18 @@ class KVSender:
             await stream.drain()
             return
         view = memoryview(frame)
+        key = id(status)
+        left = status.num_blocks - status.num_blocks_skipped - status.num_blocks_sent + 1
         for off in range(0, len(frame), SLICE_BYTES):
-            if not self._awaiting_have.get(dest):
-                status.yielded_s += await self.gate.turn(line)
-            status.bytes_sent += stream.write(view[off:off + SLICE_BYTES])
-            await stream.drain()
+            held = not self._awaiting_have.get(dest)
+            if held:
+                status.yielded_s += await self.gate.turn(line, key, left)
+            try:
+                status.bytes_sent += stream.write(view[off:off + SLICE_BYTES])
+                await stream.drain()
+            finally:
+                if held:
+                    self.gate.release(line, key)
 
     async def _run(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
                    get_block: Callable, deadline_s: float, line: str | None = None,
