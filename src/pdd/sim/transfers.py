@@ -45,7 +45,7 @@ class TransfersMixin:
             nb = self._lacking_bytes(req, dst, blocks)     # the receiver's HAVE, as of now
             entry = self.flows[flow_id]
             self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
-            background = kind in ("md", "warm") and copy_yields_line(req.decision, warm=kind == "warm")
+            background = kind in ("md", "warm") and copy_yields_line(req.decision, kind == "warm", self.cfg)
             nxt = link.add(t, flow_id, nb, background)
             return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
 
@@ -55,10 +55,9 @@ class TransfersMixin:
             back = lambda t2: [self._later(link.rtt_s / 2, name, join)]
             siblings = self._siblings_bringing(flow_id, req, dst, blocks)
             promoted = []
-            if siblings and not (kind in ("md", "warm")
-                                 and copy_yields_line(req.decision, warm=kind == "warm")):
-                # A foreground transfer waits on them: background ones stop
-                # yielding (the servers' senders do the same).
+            if siblings:
+                # A transfer waits on them: they stop yielding (the servers'
+                # senders do the same for copies that bring its blocks).
                 for sib in siblings:
                     nxt = link.promote(t, sib) if sib in link.flows else None
                     if nxt:
