@@ -237,3 +237,36 @@ def test_relay_token_budget_sends_low_hit_requests_direct_past_rlds_share():
     second = choose_pipeline(short, slow, tight_cfg, tight)
     assert first.pipeline is Pipeline.RELAY and first.rld_tokens == 64
     assert second.pipeline is Pipeline.DIRECT and second.reason.startswith("relay budget")
+
+
+def test_the_prefill_hides_a_streamed_transfer_but_not_its_last_chunk():
+    from dataclasses import replace
+
+    from pdd.policy.pipeline import wait_after_prefill
+    p = replace(inst("p0", Role.PREFILL), prefill_tokens_s=1000.0, chunk_tokens=512)
+    # 4,096 new tokens compute for 4.1 s: a 6 s transfer is left 1.9 s after it
+    assert wait_after_prefill(6.0, 4096, p) == pytest.approx(6.0 - 4.096)
+    # ... but never less than its last chunk's share of the bytes
+    assert wait_after_prefill(3.0, 4096, p) == pytest.approx(3.0 * 512 / 4096)
+    # one chunk (a warm turn): nothing streams ahead of the end
+    assert wait_after_prefill(0.4, 300, p) == 0.4
+    # P's rate unknown: the whole estimate
+    assert wait_after_prefill(6.0, 4096, inst("p0", Role.PREFILL)) == 6.0
+
+
+def test_a_queued_line_delays_a_background_copy_behind_every_byte_ahead():
+    q = LinkEstimate(throughput_bytes_s=1e6, rtt_s=0.0, queued_bytes=2e6, queued_background_bytes=5e6)
+    assert q.transfer_s(1e6) == pytest.approx(3.0)                    # behind the foreground bytes
+    assert q.transfer_s(1e6, background=True) == pytest.approx(8.0)   # and the other copies
+
+
+def test_which_copies_yield_the_line():
+    from pdd.policy import copy_yields_line
+    warm_turn = choose_pipeline(req(), cluster(md_matched=63_984), CFG)
+    cold_turn = choose_pipeline(req(), cluster(md_matched=0), CFG)
+    refused = choose_pipeline(req(), cluster(md_matched=0, rlds=()), CFG)   # no RLD: direct, slow
+    assert refused.pipeline is Pipeline.DIRECT and refused.wait_s > CFG.direct_max_wan_s
+    assert not copy_yields_line(warm_turn, cfg=CFG)       # a user waits on a few blocks: first
+    assert copy_yields_line(cold_turn, cfg=CFG)           # RLD serves the user meanwhile
+    assert copy_yields_line(refused, cfg=CFG)             # seconds anyway: shortest-first with the copies
+    assert copy_yields_line(warm_turn, warm=True, cfg=CFG)

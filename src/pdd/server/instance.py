@@ -341,6 +341,12 @@ class InstanceServer:
         a.warm = bool(meta.get("warm"))
         a.hashes = list(block_hashes)
         await self._wait_for_siblings(request_id, a.hashes)
+        if self.arrivals.get(request_id) is not a:
+            # The decode call left while we waited (its arrival was dropped):
+            # land it as a warm push, unpinned at its END, instead of leaving
+            # pins that no request and no record would ever release.
+            a.warm = True
+            self.arrivals[request_id] = a
 
         def begin(e: Engine) -> set[int]:
             a.importer = e.begin_import(meta, block_hashes, pin_for=request_id)

@@ -33,7 +33,7 @@ from typing import Awaitable, Callable, Sequence, Union
 
 from pdd.engine.kv_codec import BLOCK_DIGEST, seal_block
 from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, client_handshake
-from pdd.transport.priority import SLICE_BYTES, LineGate, limit_unsent
+from pdd.transport.priority import SLICE_BYTES, LineGate
 from pdd.transport.frames import (
     DEFAULT_MAX_FRAME_BYTES, End, Error, FrameError, Have, encode_begin, encode_block, encode_cancel, encode_end,
 )
@@ -181,10 +181,7 @@ class KVSender:
         if turn is None:
             turn = self._handshakes[(host, port)] = asyncio.Semaphore(self.max_handshakes_per_peer)
         async with turn:
-            stream = await self._connect(host, port)
-        if line not in (None, "local"):
-            limit_unsent(stream.writer)
-        return stream
+            return await self._connect(host, port)
 
     async def _connect(self, host: str, port: int) -> FrameStream:
         peer = self.tls(host, port) if self.tls is not None else None

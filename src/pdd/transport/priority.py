@@ -11,19 +11,23 @@ Routers in the path do not know our priorities, so the sender enforces them:
 a background transfer writes its frames in slices and, before each slice,
 waits while any foreground transfer is in progress on the same line. What
 still lies ahead of a foreground transfer is what the background one had
-already handed to the network: one slice, the socket's unsent bytes (kept
-small with TCP_NOTSENT_LOWAT on lines other than the local one) and what
-the line itself holds in flight.
+already handed to the network: one slice, what the sockets' kernel
+buffers hold, and what the line itself holds in flight. On loopback the
+kernel buffers autotune to megabytes and take a copy's bytes before any
+pause can act, so here the gate mostly orders what they have not taken:
+TCP_NOTSENT_LOWAT on the sender plus a small receive buffer and one
+shared router buffer in the WAN relay made a pause bite (a foreground
+megabyte behind a 6 MB copy: 0.58 s instead of 0.83 s), but that relay
+stalled connections under the soak test's churn of disconnects, so it is
+not in. A real line's sender would set TCP_NOTSENT_LOWAT.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 SLICE_BYTES = 64 * 1024          # a background transfer checks its turn this often
-NOTSENT_LOWAT_BYTES = 64 * 1024  # unsent bytes a socket may hold (TCP_NOTSENT_LOWAT)
 
 
 class LineGate:
@@ -95,17 +99,3 @@ class LineGate:
         if self._holder.get(line) == key:
             del self._holder[line]
             self._notify()
-
-
-def limit_unsent(writer: asyncio.StreamWriter, nbytes: int = NOTSENT_LOWAT_BYTES) -> None:
-    """Keep at most ~nbytes unsent in the kernel for this connection, so that a
-    pause of the writer reaches the line quickly (the bytes in flight are left
-    to TCP: throughput is unchanged)."""
-    sock = writer.get_extra_info("socket")
-    opt = getattr(socket, "TCP_NOTSENT_LOWAT", None)
-    if sock is None or opt is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, opt, nbytes)
-    except OSError:
-        pass
