@@ -30,9 +30,9 @@ from pdd.policy.config import PolicyConfig
 from pdd.policy.filter import RelayBudgets
 from pdd.policy.handoff import Complete, HandoffSession, SendBatch, new_session
 from pdd.policy.lifecycle_io import (
-    Abort, ClientGone, CloseStream, Command, DeadlinePassed, DecodeEnded, DecodeToken, Emit, EndReason,
-    Extended, ExtendMd, Fact, Finish, FinishReason, KvReady, Leg, Note, OpenDecode, Outcome, PauseRld,
-    PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, Transfer, TransferEnded, WanFailed,
+    Abort, ClientGone, CloseStream, Command, DeadlinePassed, DecodeEnded, DecodeToken, DecodeTokens, Emit,
+    EndReason, Extended, ExtendMd, Fact, Finish, FinishReason, KvReady, Leg, Note, OpenDecode, Outcome,
+    PauseRld, PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, Transfer, TransferEnded, WanFailed,
 )
 from pdd.policy.lifecycle_recovery import RecoveryRules, _Failed, pick_spare
 from pdd.policy.pipeline import Pipeline, PipelineDecision, cancel_wan, convert_to_relay_only, keep_wan_copy
@@ -153,6 +153,8 @@ class RequestLifecycle(RecoveryRules):
                 raise _Failed(f"prefill failed: {f.error or 'stream closed'}")
         elif isinstance(f, DecodeToken):
             self._on_rld_token(f) if f.leg is Leg.RLD else self._on_md_token(f)
+        elif isinstance(f, DecodeTokens):
+            self._on_tokens(f)
         elif isinstance(f, KvReady):
             self._on_kv_ready(f)
         elif isinstance(f, Extended):
@@ -212,7 +214,16 @@ class RequestLifecycle(RecoveryRules):
             self._out.append(ReleaseP(self.p_id))
 
     # --- RLD -------------------------------------------------------------------
-    def _on_rld_token(self, f: DecodeToken) -> None:
+    def _on_tokens(self, f: DecodeTokens) -> None:
+        """Each token as its own `DecodeToken`; the live filter once, after the last."""
+        last = len(f.tokens) - 1
+        for k, tok in enumerate(f.tokens):
+            if self.done is not None:
+                return
+            one = DecodeToken(f.now, f.leg, f.first_index + k, tok, f.rld)
+            self._on_rld_token(one, live_filter=k == last) if f.leg is Leg.RLD else self._on_md_token(one)
+
+    def _on_rld_token(self, f: DecodeToken, live_filter: bool = True) -> None:
         if self.owner is not Leg.RLD:
             return
         if self.stop_at is not None and f.index >= self.stop_at:
@@ -224,7 +235,8 @@ class RequestLifecycle(RecoveryRules):
         if self.md_ready_pending:
             self.md_ready_pending = False
             self._new_session(f.now)
-        self._maybe_cancel_wan(f.now)
+        if live_filter:
+            self._maybe_cancel_wan(f.now)
 
     def _on_rld_ended(self, now: float, reason: EndReason, error: str,
                       healthy: tuple[InstanceView, ...]) -> None:

@@ -12,12 +12,14 @@ sent again. When it lands the receiver holds the whole KV (with
 boundary, as a busy server imported blocks between steps before the pool
 lock), the link's estimator is fed the transfer as the router's is fed the
 real ones, and P frees the prompt's blocks once every transfer out of it
-has ended.
+has ended (the lifecycle's `ReleaseP`). A cancelled copy ends as the real
+P reports it: a failed transfer.
 """
 
 from __future__ import annotations
 
-from pdd.policy import wait_for_siblings
+from pdd.policy import Role, wait_for_siblings
+from pdd.policy.lifecycle_io import TransferEnded
 from pdd.sim.instance import SimInstance
 from pdd.sim.loop import Event, EventKind
 from pdd.sim.request import SimRequest
@@ -30,13 +32,10 @@ class TransfersMixin:
         less what `dst` holds when it answers HAVE."""
         name = self._link_name(src.datacenter, dst.datacenter)
         link = self.links[name]
-        flow_id = f"{req.spec.request_id}/{kind}"
+        flow_id = f"{req.spec.request_id}/{kind}/{dst.instance_id}"
         # Its size is known at HAVE time (set in `join`).
         self.flows[flow_id] = (req, kind, dst.instance_id, now, None, name)
         self.flow_steps[flow_id] = dst.num_steps
-        req.pending_transfers += 1
-        if kind == "md":
-            req.wan_flow = flow_id
 
         def join(t: float) -> list[Event]:
             if flow_id not in self.flows:
@@ -145,32 +144,33 @@ class TransfersMixin:
                                                         self.flow_handshake.pop(flow_id, 0.0))
             if link_name == "wan":
                 req.wan_bytes += num_bytes
-            evs = self._release_p(req, now)
             dst = self.instances[dst_id]
-            evs += self._flow_ended(flow_id, now)      # siblings waiting on it ask HAVE once the
+            evs = self._flow_ended(flow_id, now)       # siblings waiting on it ask HAVE once the
                                                        # landing below has filled the cache
             if kind == "warm":          # a shared prefix for MD's cache, nothing waits on it
                 if dst.cache is not None:
                     dst.cache.insert(req.spec.block_ids[: req.warm_blocks])
-                return evs
-            return evs + (self._rld_kv_ready(req, dst, now) if kind == "rld"
-                          else self._md_kv_ready(req, dst, now))
+                return evs + self._feed(req, TransferEnded(now, dst_id, True))
+            return evs + self._kv_landed(req, dst, now)
         return fn
 
-    def _cancel(self, req: SimRequest, now: float) -> list[Event]:
-        fid = req.wan_flow
-        if fid is None or fid not in self.flows:
-            return []
-        name = self.flows.pop(fid)[5]
-        self.flow_handshake.pop(fid, None)
-        nxt = self.links[name].cancel(now, fid)
-        evs = [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
-        return evs + self._release_p(req, now) + self._flow_ended(fid, now)
+    def _cancel_to(self, req: SimRequest, dst_id: str, now: float) -> list[Event]:
+        """Cancel the KV copy to `dst_id`; P reports it failed (a fact, as the
+        real P's transfer event) once the cancel has taken."""
+        fid = f"{req.spec.request_id}/{'rld' if self.instances[dst_id].role is Role.RELAY else 'md'}/{dst_id}"
+        evs: list[Event] = []
+        if fid in self.flows:
+            name = self.flows.pop(fid)[5]
+            self.flow_handshake.pop(fid, None)
+            self.flow_steps.pop(fid, None)
+            nxt = self.links[name].cancel(now, fid)
+            evs += [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
+            evs += self._flow_ended(fid, now)
+        ended = lambda t: self._feed(req, TransferEnded(t, dst_id, False, "cancelled"))
+        return evs + [self._later(0.0, req.spec.request_id, ended)]
 
     def _release_p(self, req: SimRequest, now: float) -> list[Event]:
-        req.pending_transfers -= 1
-        if req.pending_transfers:
-            return []
+        """P frees the prompt's KV (the lifecycle's `ReleaseP`)."""
         p = self.instances[req.p_id]
         p.release(req.p_blocks)
         p.unshare(req.p_shared)
