@@ -55,15 +55,28 @@ def entry(cmd: io.Command) -> str:
             io.WanFailed: "wan_failed"}[type(cmd)]
 
 
+class DecisionLog:
+    """`decision_log` kept as the commands come (a word per decision, not per token)."""
+
+    def __init__(self) -> None:
+        self.words: list[str] = []
+        self._seen: set[str] = set()
+
+    def add(self, cmd: io.Command) -> None:
+        self.add_word(entry(cmd))
+
+    def add_word(self, w: str) -> None:
+        if w in _DROPPED or (w.startswith(_ONCE) and w in self._seen):
+            return
+        self._seen.add(w)
+        self.words.append(w)
+
+
 def decision_log(words: Iterable[str]) -> tuple[str, ...]:
-    out: list[str] = []
-    seen: set[str] = set()
+    log = DecisionLog()
     for w in words:
-        if w in _DROPPED or (w.startswith(_ONCE) and w in seen):
-            continue
-        seen.add(w)
-        out.append(w)
-    return tuple(out)
+        log.add_word(w)
+    return tuple(log.words)
 
 
 def notes_only(log: Iterable[str]) -> tuple[str, ...]:

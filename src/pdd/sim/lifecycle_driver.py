@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from pdd.policy import lifecycle_io as io
 from pdd.policy.lifecycle import RequestLifecycle
-from pdd.policy.lifecycle_log import entry
 from pdd.policy.views import Role
 from pdd.sim.instance import Job, JobKind, Seq, SimInstance
 from pdd.sim.loop import Event
@@ -162,7 +161,7 @@ class LifecycleDriverMixin:
                matched: int = 0) -> list[Event]:
         evs: list[Event] = []
         for cmd in cmds:
-            req.log.append(entry(cmd))
+            req.log.add(cmd)
             if isinstance(cmd, io.Emit):
                 self._emit(req, cmd, (times or {}).get(cmd.index, now))
             elif isinstance(cmd, io.StartPrefill):

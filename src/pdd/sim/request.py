@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdd.bench.records import RequestRecord
+from pdd.policy.lifecycle_log import DecisionLog
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class SimRequest:
         self.p_shared: list[int] = []
         self.warm_blocks = 0          # shared prefix blocks pushed to MD's cache (filtered request)
         self.last_delay_s = 0.0
-        self.log: list[str] = []       # the lifecycle's commands (`lifecycle_log`)
+        self.log = DecisionLog()       # the lifecycle's commands, a word per decision
 
     @property
     def finished(self) -> bool:
@@ -137,4 +138,5 @@ class SimRequest:
             uncached_kv_bytes=self.uncached_kv_bytes, rld_tokens=self.rld_tokens,
             handoff_gap_s=gap, pipeline=self.pipeline, handoff_mode=self.handoff_mode,
             token_stride=self.stride, token_indices=self.indices,
+            events=[{"name": "lifecycle", "log": list(self.log.words)}] if self.lc is not None else [],
         )
