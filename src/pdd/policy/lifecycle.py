@@ -216,6 +216,10 @@ class RequestLifecycle(RecoveryRules):
     # --- RLD -------------------------------------------------------------------
     def _on_tokens(self, f: DecodeTokens) -> None:
         """Each token as its own `DecodeToken`; the live filter once, after the last."""
+        if f.leg is Leg.MD and self.owner is Leg.MD and self.md_live and f.first_index == len(self.tokens):
+            for tok in f.tokens:          # MD owns the stream: its tokens, in order, go out
+                self._emit(tok, Leg.MD)
+            return
         last = len(f.tokens) - 1
         for k, tok in enumerate(f.tokens):
             if self.done is not None:

@@ -160,10 +160,18 @@ class LifecycleDriverMixin:
     def _carry(self, req: SimRequest, cmds: list, now: float, times: dict[int, float] | None = None,
                matched: int = 0) -> list[Event]:
         evs: list[Event] = []
-        for cmd in cmds:
+        i, n = 0, len(cmds)
+        while i < n:
+            cmd = cmds[i]
             req.log.add(cmd)
+            i += 1
             if isinstance(cmd, io.Emit):
-                self._emit(req, cmd, (times or {}).get(cmd.index, now))
+                # A step's tokens come as a run of Emits from one source: one call.
+                run = [cmd]
+                while i < n and isinstance(cmds[i], io.Emit) and cmds[i].source is cmd.source:
+                    run.append(cmds[i])
+                    i += 1
+                self._emit(req, cmd.source, [(times or {}).get(c.index, now) for c in run])
             elif isinstance(cmd, io.StartPrefill):
                 req.targets = cmd.targets
                 evs += self._start_prefill(req, self.instances[cmd.p_id], matched, now)
@@ -191,11 +199,10 @@ class LifecycleDriverMixin:
                 evs += self._finish_lc(req, cmd, now)
         return evs
 
-    def _emit(self, req: SimRequest, cmd: io.Emit, t: float) -> None:
-        """The user's token `cmd.index`, made at `t`, reaches the user from its instance."""
-        leg = cmd.source
+    def _emit(self, req: SimRequest, leg: io.Leg, times: list[float]) -> None:
+        """The user's next tokens, made at `times`, reach the user from `leg`'s instance."""
         iid = (req.seqs.get(leg) or req.legs.get(leg) or (req.p_id,))[0] if leg is not io.Leg.P else req.p_id
-        req.emit([t], relay=leg is io.Leg.RLD, delay_s=self.instances[iid].deliver_s)
+        req.emit(times, relay=leg is io.Leg.RLD, delay_s=self.instances[iid].deliver_s)
 
     def _send(self, req: SimRequest, t: io.Transfer, now: float) -> list[Event]:
         dst = self.instances[t.instance_id]
@@ -208,8 +215,9 @@ class LifecycleDriverMixin:
         if seq is None:
             return []
         inst = self.instances[iid]
+        parked = seq in inst.parked        # out of the batch already: the steps under way stand
         inst.remove_seq(seq)
-        return self._kick(inst, now)
+        return [] if parked else self._kick(inst, now)
 
     def _extend(self, req: SimRequest, cmd: io.ExtendMd) -> list[Event]:
         """A batch of token ids travels to MD (one way) and runs there as a
