@@ -1,0 +1,128 @@
+"""Tokens that arrive several at once (`DecodeTokens`, the simulator's decode
+steps) and the decision log (`policy.lifecycle_log`).
+
+A step's tokens go through the same rules as single ones: under any event
+order Hypothesis finds, with and without faults, the user's stream is the
+reference's prefix and every request ends; fed one by one or in bulk, a
+request emits the same tokens; the live filter runs once per bulk, after
+its last token."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdd.policy import Pipeline, PipelineDecision, PolicyConfig, RelayBudgets
+from pdd.policy.lifecycle import RequestLifecycle
+from pdd.policy.lifecycle_io import (
+    CancelTransfer, DecodeToken, DecodeTokens, Emit, FinishReason, KvReady, Leg, Note, Prefilled, ReleaseP,
+    TransferEnded,
+)
+from pdd.policy.lifecycle_log import decision_log, entry, notes_only, trace_log
+from pdd.policy.views import InstanceView, RequestFacts, Role
+from lifecycle_world import World, ref
+from test_policy_lifecycle_orders import DECISIONS, SETTINGS
+
+
+class BulkWorld(World):
+    """A decoder's step makes 1..`max_bulk` tokens at once (fewer at a pause
+    or at the end of the answer)."""
+    draw = staticmethod(lambda n: 1)
+
+    def step(self, act) -> None:
+        kind, leg = act
+        if kind != "token":
+            return super().step(act)
+        self.now += 0.01
+        s = self.streams[leg]
+        limit = self.num_out if s.pause_limit is None else min(self.num_out, s.pause_limit)
+        first = s.pos
+        s.pos = first + max(1, min(self.draw(4), limit - first))
+        self.fact(DecodeTokens(self.now, leg, first, tuple(ref(i) for i in range(first, s.pos)),
+                               self.rld_view()))
+
+
+def bulk_world(data, faults: int) -> BulkWorld:
+    name = data.draw(st.sampled_from(sorted(DECISIONS)), label="pipeline")
+    mode = data.draw(st.sampled_from(["auto", "one_shot", "catch_up"]), label="handoff")
+    max_tokens = data.draw(st.integers(1, 24), label="max_tokens")
+    num_out = data.draw(st.integers(1, 24), label="num_out")
+    cfg = PolicyConfig(handoff_mode=mode, catchup_threshold_tokens=2, catchup_final_max_tokens=1)
+    w = BulkWorld(DECISIONS[name], num_out, max_tokens, cfg)
+    w.draw = lambda n: data.draw(st.integers(1, n), label="bulk")
+    w.extra_after_pause = data.draw(st.integers(0, 3), label="tokens past a pause")
+    w.run(lambda n: data.draw(st.integers(0, n - 1)), faults=faults)
+    return w
+
+
+@SETTINGS
+@given(st.data())
+def test_bulk_tokens_stream_exactly_the_reference(data):
+    w = bulk_world(data, faults=0)
+    assert w.finish.reason in (FinishReason.STOP, FinishReason.LENGTH), w.finish
+    assert w.user == [ref(i) for i in range(w.num_out)]
+    assert not w.used_deadline
+
+
+@SETTINGS
+@given(st.data())
+def test_bulk_tokens_with_faults_keep_a_prefix_and_end(data):
+    w = bulk_world(data, faults=data.draw(st.integers(1, 3), label="faults"))
+    assert w.finish is not None
+    assert w.user == [ref(i) for i in range(len(w.user))]
+    if w.finish.reason in (FinishReason.STOP, FinishReason.LENGTH):
+        assert len(w.user) == w.num_out
+
+
+def _relay(max_tokens: int = 20, est_wan_s: float = 5.0, filterable: bool = False):
+    d = PipelineDecision(Pipeline.RELAY, "p0", "r0", "m0", True, 10_000_000, est_wan_s, "t", filterable)
+    req = RequestFacts("req", 4096, max_tokens, 1000, 16)
+    lc = RequestLifecycle(req, d, PolicyConfig(), RelayBudgets(PolicyConfig()))
+    lc.start(0.0)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    return lc
+
+
+def rld(running: int = 0) -> InstanceView:
+    return InstanceView("r0", Role.RELAY, "a", running, 0, 8, 1000, 1000, 0.05)
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=10))
+def test_one_by_one_or_in_bulk_the_same_emits(sizes):
+    """RLD's tokens in chunks of `sizes`, then MD ready: the same stream and
+    the same handoff as when each token comes alone."""
+    n = sum(sizes)
+    single, bulk = _relay(), _relay()
+    a = [c for i in range(n) for c in single.handle(DecodeToken(1.0, Leg.RLD, i, ref(i), rld()))]
+    b, first = [], 0
+    for k in sizes:
+        b += bulk.handle(DecodeTokens(1.0, Leg.RLD, first, tuple(ref(i) for i in range(first, first + k)), rld()))
+        first += k
+    a += single.handle(KvReady(2.0, rld()))
+    b += bulk.handle(KvReady(2.0, rld()))
+    assert [c for c in a if isinstance(c, Emit)] == [c for c in b if isinstance(c, Emit)]
+    assert decision_log(map(entry, a)) == decision_log(map(entry, b))
+
+
+def test_the_live_filter_runs_once_after_a_bulk():
+    """A short answer whose WAN copy RLD will beat: the filter cancels MD's
+    copy after the bulk's last token, all of which reach the user first."""
+    lc = _relay(max_tokens=6, est_wan_s=30.0, filterable=True)
+    out = lc.handle(DecodeTokens(1.0, Leg.RLD, 0, tuple(ref(i) for i in range(4)), rld()))
+    kinds = [type(c).__name__ for c in out]
+    assert kinds[:4] == ["Emit"] * 4, kinds
+    assert any(isinstance(c, CancelTransfer) for c in out[4:]), kinds
+    assert Note("filter_cancel", {"tokens_left": 2, "remaining_wan_s": 29.5}) in out
+    assert lc.outcome.value == "relay_cancelled"
+
+
+def test_decision_log_keeps_decisions_not_repeats():
+    words = ["opendecode:rld", "emit:rld", "emit:rld", "note:kv_ready", "extend", "emit:rld", "extend",
+             "release_p", "extend_final", "emit:md", "emit:md", "finish:relay:length"]
+    assert decision_log(words) == ("opendecode:rld", "emit:rld", "note:kv_ready", "extend", "extend_final",
+                                   "emit:md", "finish:relay:length")
+    assert entry(ReleaseP("p0")) == "release_p"
+    assert entry(Note("md_ready", {"eager_tokens": 9, "mode": "catch_up"})) == "note:md_ready:catch_up"
+    events = [{"name": "pipeline", "pipeline": "relay"}, {"name": "kv_ready", "instance": "m0"},
+              {"name": "md_ready", "eager_tokens": 9, "mode": "one_shot"}, {"name": "prefill_end"}]
+    assert trace_log(events) == ("note:kv_ready", "note:md_ready:one_shot")
+    assert notes_only(decision_log(words)) == ("note:kv_ready",)
