@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pdd.engine.block_pool import BlockPool, NoFreeBlocks
 from pdd.engine.config import EngineConfig
 from pdd.engine.kv_codec import KVImportError, KVLayout, KVManifest, decode_blob, encode_blob
+from pdd.engine.kv_events import KvEventLog
 from pdd.engine.request import EngineRequest, RequestStatus
 from pdd.engine.runner import ModelRunner
 from pdd.engine.scheduler import Scheduler, StepPlan
@@ -66,7 +67,8 @@ class Engine:
                                  model_cfg.max_position_embeddings)
         self.layout = KVLayout(model_cfg.model_id, cfg.dtype, cfg.block_size,
                                model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_cache)
+        self.kv_events = KvEventLog()
+        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_cache, self.kv_events)
         self.scheduler = Scheduler(cfg, self.pool, model_cfg.model_id.encode())
         self.runner = ModelRunner(model, model_cfg, cfg)
         self.requests: dict[str, EngineRequest] = {}

@@ -35,7 +35,9 @@ from pdd.policy.lifecycle_io import (
     PauseRld, PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, Transfer, TransferEnded, WanFailed,
 )
 from pdd.policy.lifecycle_recovery import RecoveryRules, _Failed, pick_spare
-from pdd.policy.pipeline import Pipeline, PipelineDecision, cancel_wan, convert_to_relay_only, keep_wan_copy
+from pdd.policy.pipeline import (
+    Pipeline, PipelineDecision, cancel_wan, convert_to_relay_only, copy_yields_line, keep_wan_copy,
+)
 from pdd.policy.views import InstanceView, RequestFacts, Role
 
 __all__ = ["RequestLifecycle", "pick_spare", "remaining_wan_s"]
@@ -97,9 +99,9 @@ class RequestLifecycle(RecoveryRules):
         if self.md_id is not None:
             self._open(Leg.MD, self.md_id, hold=self.d.pipeline is Pipeline.RELAY)
             self.md_live = True
-            targets.append(Transfer(self.md_id))
+            targets.append(Transfer(self.md_id, background=copy_yields_line(self.d)))
         if self.warm is not None:
-            targets.append(Transfer(*self.warm))
+            targets.append(Transfer(*self.warm, background=copy_yields_line(self.d, warm=True)))
         self.transfers = {t.instance_id: None for t in targets}
         self.p_open = True
         self._out.append(StartPrefill(self.p_id, tuple(targets)))

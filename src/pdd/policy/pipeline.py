@@ -197,6 +197,18 @@ def keep_wan_copy(d: PipelineDecision) -> bool:
     return d.start_wan and not d.filterable
 
 
+def copy_yields_line(d: PipelineDecision, warm: bool = False) -> bool:
+    """Whether P's copy of the KV to MD yields the line to transfers a user
+    waits on (router and simulator alike). It does when RLD serves the user
+    meanwhile (RELAY: the copy only readies MD for the handoff) or when it
+    only warms MD's cache; a DIRECT request's copy, or a resend after a lost
+    RLD, is what the user is waiting for. A warm turn's few blocks behind a
+    cold turn's 100 MB copy would otherwise take its share of the line for
+    the whole of that copy; the background copy loses only the warm turn's
+    fraction of a second."""
+    return warm or d.pipeline is Pipeline.RELAY
+
+
 def plan_warm(d: PipelineDecision, matched: Mapping[str, int], prefix_key: Callable[[int], Hashable],
               reuses: PrefixReuseCounter, block_size: int, cfg: PolicyConfig) -> tuple[int, int]:
     """Count the request's P-cached prefix as one more reuse of it; return

@@ -259,10 +259,10 @@ class PddRun:
     def start_prefill(self, cmd: io.StartPrefill) -> None:
         ctx, c, p = self.ctx, self.cluster, self.members[io.Leg.P]
         ctx.trace.instances["p"] = p.spec.name
-        body = prefill_body(ctx, c, p, [c.members[t.instance_id] for t in cmd.targets if not t.warm_blocks])
+        body = prefill_body(ctx, c, p, [])
         for t in cmd.targets:
-            if t.warm_blocks:
-                body["targets"].append(target(c, p, c.members[t.instance_id], ctx) | {"warm_blocks": t.warm_blocks})
+            dest = target(c, p, c.members[t.instance_id], ctx, background=t.background)
+            body["targets"].append(dest | ({"warm_blocks": t.warm_blocks} if t.warm_blocks else {}))
         self.streams.open("p", p, "/internal/prefill", body, ctx.remaining_s())
 
     def emit(self, tok: int, source: str) -> None:

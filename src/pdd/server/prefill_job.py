@@ -94,18 +94,21 @@ class PrefillJob:
             str(target["host"]), int(target["kv_port"]), rid, meta,
             list(manifest.block_hashes), lambda i: read(block_ids[i]),
             deadline_s=float(target.get("deadline_s", self.server.spec.kv_deadline_s)),
+            line=str(target.get("link", "local")), background=bool(target.get("background", False)),
         )
         self.transfers[name] = handle
-        asyncio.get_running_loop().create_task(self._report(name, target.get("link", "local"), handle))
+        asyncio.get_running_loop().create_task(self._report(name, target.get("link", "local"), handle,
+                                                               bool(target.get("background", False))))
 
-    async def _report(self, name: str, link: str, handle: TransferHandle) -> None:
+    async def _report(self, name: str, link: str, handle: TransferHandle, background: bool) -> None:
         st = await handle.wait()
         self.server.metrics.on_kv_sent(link, st)
         await self.events.put({
             "event": "transfer", "target": name, "link": link, "ok": st.ok, "error": st.error or None,
             "payload_bytes": st.payload_bytes, "bytes_sent": st.bytes_sent,
             "blocks_sent": st.num_blocks_sent, "blocks_skipped": st.num_blocks_skipped,
-            "elapsed_s": st.elapsed_s, "handshake_s": st.handshake_s, "ts": time.time(),
+            "elapsed_s": st.elapsed_s, "handshake_s": st.handshake_s, "yielded_s": st.yielded_s,
+            "background": background, "ts": time.time(),
         })
 
     def cancel_transfer(self, name: str, reason: str) -> None:

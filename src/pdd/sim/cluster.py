@@ -113,6 +113,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         self.flows: dict[str, tuple[SimRequest, str, str, float, int, str]] = {}
         self.flow_steps: dict[str, int] = {}      # flow id -> receiver's step count at its start
         self.flow_handshake: dict[str, float] = {}   # flow id -> BEGIN..HAVE seconds
+        self.flow_yielded: dict[str, float] = {}     # flow id -> seconds it yielded the line
         self.flow_waiters: dict[str, list] = {}      # flow id -> callbacks when it ends (landed or cancelled)
         self.flow_begun: set[str] = set()            # flows whose BEGIN the receiver has taken
         self.pending: dict[str, list] = {iid: [] for iid in self.instances}

@@ -207,7 +207,7 @@ class LifecycleDriverMixin:
     def _send(self, req: SimRequest, t: io.Transfer, now: float) -> list[Event]:
         dst = self.instances[t.instance_id]
         kind = "warm" if t.warm_blocks else _KIND.get(dst.role, "md")
-        return self._transfer(req, kind, self.instances[req.p_id], dst, now, t.warm_blocks or None)
+        return self._transfer(req, kind, self.instances[req.p_id], dst, now, t.warm_blocks or None, t.background)
 
     def _close(self, req: SimRequest, leg: io.Leg, now: float) -> list[Event]:
         req.legs.pop(leg, None)

@@ -27,9 +27,10 @@ from pdd.sim.request import SimRequest
 
 class TransfersMixin:
     def _transfer(self, req: SimRequest, kind: str, src: SimInstance, dst: SimInstance,
-                  now: float, blocks: int | None = None) -> list[Event]:
+                  now: float, blocks: int | None = None, background: bool = False) -> list[Event]:
         """Send the KV of the prompt's first `blocks` blocks (all by default)
-        less what `dst` holds when it answers HAVE."""
+        less what `dst` holds when it answers HAVE; a `background` copy (the
+        lifecycle's `Transfer.background`) yields the line."""
         name = self._link_name(src.datacenter, dst.datacenter)
         link = self.links[name]
         flow_id = f"{req.spec.request_id}/{kind}/{dst.instance_id}"
@@ -44,7 +45,7 @@ class TransfersMixin:
             nb = self._lacking_bytes(req, dst, blocks)     # the receiver's HAVE, as of now
             entry = self.flows[flow_id]
             self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
-            nxt = link.add(t, flow_id, nb)
+            nxt = link.add(t, flow_id, nb, background)
             return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
 
         def have(t: float) -> list[Event]:     # BEGIN reached the receiver
@@ -115,6 +116,7 @@ class TransfersMixin:
         done, nxt = link.complete(ev.time, ev.data)
         evs = [Event(nxt[0], EventKind.TRANSFER_DONE, ev.key, nxt[1])] if nxt else []
         for flow in done:
+            self.flow_yielded[flow.flow_id] = flow.yielded_s
             dst = self.instances[self.flows[flow.flow_id][2]]
             landed = self._landed(flow.flow_id, ev.key)
             started = self.flow_steps.get(flow.flow_id, dst.num_steps)
@@ -140,7 +142,9 @@ class TransfersMixin:
                 return []       # cancelled while its blocks were being imported
             req, kind, dst_id, start, num_bytes, _ = self.flows.pop(flow_id)
             self.flow_steps.pop(flow_id, None)
-            self.estimators[link_name].observe_transfer(now, num_bytes, now - start,
+            # Time spent yielding the line to foreground flows is not its speed.
+            elapsed = now - start - self.flow_yielded.pop(flow_id, 0.0)
+            self.estimators[link_name].observe_transfer(now, num_bytes, max(elapsed, 1e-6),
                                                         self.flow_handshake.pop(flow_id, 0.0))
             if link_name == "wan":
                 req.wan_bytes += num_bytes

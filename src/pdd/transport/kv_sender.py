@@ -33,6 +33,7 @@ from typing import Awaitable, Callable, Sequence, Union
 
 from pdd.engine.kv_codec import BLOCK_DIGEST, seal_block
 from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, client_handshake
+from pdd.transport.priority import SLICE_BYTES, LineGate, limit_unsent
 from pdd.transport.frames import (
     DEFAULT_MAX_FRAME_BYTES, End, Error, FrameError, Have, encode_begin, encode_block, encode_cancel, encode_end,
 )
@@ -61,6 +62,7 @@ class TransferHandle:
         self.request_id = status.request_id
         self.task: asyncio.Task | None = None
         self.cancel_reason: str | None = None
+        self.holds_line: str | None = None     # foreground on this line until its blocks are written
 
     def poll(self) -> TransferStatus:
         return self.status.copy()
@@ -105,10 +107,14 @@ class KVSender:
         self._idle: dict[tuple[str, int], list[tuple[FrameStream, float]]] = {}
         self._handshakes: dict[tuple[str, int], asyncio.Semaphore] = {}
         self._active: set[TransferHandle] = set()
+        self.gate = LineGate()
 
     def send(self, host: str, port: int, request_id: str, meta: dict, block_hashes: list[bytes],
-             get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S) -> TransferHandle:
-        """Starts the transfer as a task of the running loop and returns at once."""
+             get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S, *,
+             line: str | None = None, background: bool = False) -> TransferHandle:
+        """Starts the transfer as a task of the running loop and returns at once.
+        `line` names the link it crosses; on it a `background` transfer yields to
+        the others (`pdd.transport.priority`). No line: no priority."""
         status = TransferStatus(request_id, num_blocks=len(block_hashes), started_s=time.monotonic(), meta=dict(meta))
         handle = TransferHandle(status)
         if not callable(get_block):
@@ -117,7 +123,7 @@ class KVSender:
                 raise ValueError(f"{len(blocks)} blocks for {len(block_hashes)} hashes")
             get_block = blocks.__getitem__
         handle.task = asyncio.get_running_loop().create_task(
-            self._run(handle, host, port, meta, list(block_hashes), get_block, deadline_s))
+            self._run(handle, host, port, meta, list(block_hashes), get_block, deadline_s, line, background))
         self._active.add(handle)
         handle.task.add_done_callback(lambda _t: self._active.discard(handle))
         return handle
@@ -133,7 +139,7 @@ class KVSender:
                 stream.abort()
         self._idle.clear()
 
-    async def _acquire(self, host: str, port: int) -> FrameStream:
+    async def _acquire(self, host: str, port: int, line: str | None = None) -> FrameStream:
         conns = self._idle.get((host, port), [])
         now = time.monotonic()
         while conns:
@@ -146,7 +152,10 @@ class KVSender:
         if turn is None:
             turn = self._handshakes[(host, port)] = asyncio.Semaphore(self.max_handshakes_per_peer)
         async with turn:
-            return await self._connect(host, port)
+            stream = await self._connect(host, port)
+        if line not in (None, "local"):
+            limit_unsent(stream.writer)
+        return stream
 
     async def _connect(self, host: str, port: int) -> FrameStream:
         peer = self.tls(host, port) if self.tls is not None else None
@@ -185,13 +194,45 @@ class KVSender:
         else:
             stream.writer.close()  # graceful: nothing is left to flush after the END ack
 
+    async def _write_block(self, stream: FrameStream, frame: bytes, line: str | None, background: bool,
+                           status: TransferStatus) -> None:
+        """One BLOCK frame: whole, or (background) in slices, each after the
+        foreground transfers on the line are through."""
+        if line is None or not background:
+            status.bytes_sent += stream.write(frame)
+            await stream.drain()
+            return
+        view = memoryview(frame)
+        for off in range(0, len(frame), SLICE_BYTES):
+            status.yielded_s += await self.gate.turn(line)
+            status.bytes_sent += stream.write(view[off:off + SLICE_BYTES])
+            await stream.drain()
+
     async def _run(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
-                   get_block: Callable, deadline_s: float) -> None:
+                   get_block: Callable, deadline_s: float, line: str | None = None,
+                   background: bool = False) -> None:
+        if line is not None and not background:
+            # Background transfers on the line wait from now until this one
+            # has written its last block (or ended).
+            handle.holds_line = line
+            self.gate.enter(line)
+        try:
+            await self._transfer(handle, host, port, meta, hashes, get_block, deadline_s, line, background)
+        finally:
+            self._let_go(handle)
+
+    def _let_go(self, handle: TransferHandle) -> None:
+        if handle.holds_line is not None:
+            self.gate.leave(handle.holds_line)
+            handle.holds_line = None
+
+    async def _transfer(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
+                        get_block: Callable, deadline_s: float, line: str | None, background: bool) -> None:
         status = handle.status
         stream: FrameStream | None = None
         try:
             async with asyncio.timeout(deadline_s):
-                stream = await self._acquire(host, port)
+                stream = await self._acquire(host, port, line)
                 if self.seal_blocks:
                     meta = meta | {"block_digest": BLOCK_DIGEST}
                 status.bytes_sent += stream.write(encode_begin(status.request_id, meta, hashes, deadline_s,
@@ -221,13 +262,13 @@ class KVSender:
                         if inspect.isawaitable(payload):
                             payload = await payload
                         wire_payload = seal_block(payload) if self.seal_blocks else payload
-                        status.bytes_sent += stream.write(encode_block(i, block_hash, wire_payload,
-                                                                       self.max_frame_bytes))
+                        frame = encode_block(i, block_hash, wire_payload, self.max_frame_bytes)
                         status.num_blocks_sent += 1
                         status.payload_bytes += len(payload)
-                        await stream.drain()
+                        await self._write_block(stream, frame, line, background, status)
                     if not answer.done():
                         status.bytes_sent += stream.write(encode_end(status.num_blocks_sent))
+                    self._let_go(handle)
                     ack = await answer
                 except (ConnectionError, OSError):
                     await asyncio.sleep(0)       # let a frame that arrived before the reset be read
