@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pdd.policy import InstanceView, PipelineDecision, PolicyConfig, RequestFacts, Role
 from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.lifecycle_io import (
-    Abort, CancelTransfer, ClientGone, CloseStream, DeadlinePassed, DecodeEnded, DecodeToken, Emit,
+    Abort, CancelTransfer, ClientGone, CloseStream, DeadlinePassed, DecodeEnded, DecodeToken, Emit, EmitRun,
     EndReason, Extended, ExtendMd, Finish, KvReady, Leg, OpenDecode, PauseRld, PeerGone, Prefilled,
     PrefillEnded, ReleaseP, ResumeRld, StartPrefill, StartTransfer, TransferEnded,
 )
@@ -111,6 +111,9 @@ class World:
             elif isinstance(c, Emit):
                 assert c.index == len(self.user), (c, self.user)
                 self.user.append(c.token)
+            elif isinstance(c, EmitRun):
+                assert c.first_index == len(self.user), (c, self.user)
+                self.user.extend(c.tokens)
             elif isinstance(c, Finish):
                 assert self.finish is None
                 self.finish = c

@@ -31,8 +31,9 @@ from pdd.policy.filter import RelayBudgets
 from pdd.policy.handoff import Complete, HandoffSession, SendBatch, new_session
 from pdd.policy.lifecycle_io import (
     Abort, ClientGone, CloseStream, Command, DeadlinePassed, DecodeEnded, DecodeToken, DecodeTokens, Emit,
-    EndReason, Extended, ExtendMd, Fact, Finish, FinishReason, KvReady, Leg, Note, OpenDecode, Outcome,
-    PauseRld, PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, Transfer, TransferEnded, WanFailed,
+    EmitRun, EndReason, Extended, ExtendMd, Fact, Finish, FinishReason, KvReady, Leg, Note, OpenDecode,
+    Outcome, PauseRld, PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, Transfer, TransferEnded,
+    WanFailed,
 )
 from pdd.policy.lifecycle_recovery import RecoveryRules, _Failed, pick_spare
 from pdd.policy.pipeline import (
@@ -219,8 +220,8 @@ class RequestLifecycle(RecoveryRules):
     def _on_tokens(self, f: DecodeTokens) -> None:
         """Each token as its own `DecodeToken`; the live filter once, after the last."""
         if f.leg is Leg.MD and self.owner is Leg.MD and self.md_live and f.first_index == len(self.tokens):
-            for tok in f.tokens:          # MD owns the stream: its tokens, in order, go out
-                self._emit(tok, Leg.MD)
+            self.tokens.extend(f.tokens)      # MD owns the stream: its tokens, in order, go out
+            self._out.append(EmitRun(f.tokens, Leg.MD, f.first_index))
             return
         last = len(f.tokens) - 1
         for k, tok in enumerate(f.tokens):

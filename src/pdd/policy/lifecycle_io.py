@@ -239,6 +239,16 @@ class Emit:
 
 
 @dataclass(frozen=True)
+class EmitRun:
+    """The user's tokens `first_index`, `first_index` + 1, ... from one source:
+    a `DecodeTokens` bulk of the stream's owner, in one command (the
+    simulator's steps emit millions of tokens)."""
+    tokens: tuple[int, ...]
+    source: Leg
+    first_index: int
+
+
+@dataclass(frozen=True)
 class Note:
     """A trace event (what the router's trace and a decision log record)."""
     event: str
@@ -254,4 +264,4 @@ class Finish:
 
 
 Command = (StartPrefill | OpenDecode | StartTransfer | CancelTransfer | ExtendMd | PauseRld | ResumeRld
-           | Abort | CloseStream | ReleaseP | WanFailed | Emit | Note | Finish)
+           | Abort | CloseStream | ReleaseP | WanFailed | Emit | EmitRun | Note | Finish)

@@ -36,7 +36,7 @@ def note_word(event: str, fields: dict) -> str:
 
 
 def entry(cmd: io.Command) -> str:
-    if isinstance(cmd, io.Emit):
+    if isinstance(cmd, (io.Emit, io.EmitRun)):
         return f"emit:{cmd.source.value}"
     if isinstance(cmd, io.Note):
         return note_word(cmd.event, cmd.fields)
@@ -61,8 +61,13 @@ class DecisionLog:
     def __init__(self) -> None:
         self.words: list[str] = []
         self._seen: set[str] = set()
+        self._sources: set[io.Leg] = set()
 
     def add(self, cmd: io.Command) -> None:
+        if isinstance(cmd, (io.Emit, io.EmitRun)) and cmd.source in self._sources:
+            return                    # a stream's next token: no word (the common case, made cheap)
+        if isinstance(cmd, (io.Emit, io.EmitRun)):
+            self._sources.add(cmd.source)
         self.add_word(entry(cmd))
 
     def add_word(self, w: str) -> None:

@@ -209,6 +209,9 @@ class PddRun:
         ctx, c, rid = self.ctx, self.cluster, self.ctx.request_id
         if isinstance(cmd, io.Emit):
             self.emit(cmd.token, cmd.source.value)
+        elif isinstance(cmd, io.EmitRun):            # only for `DecodeTokens`, which we never send
+            for tok in cmd.tokens:
+                self.emit(tok, cmd.source.value)
         elif isinstance(cmd, io.Note):
             self.note(cmd)
         elif isinstance(cmd, io.OpenDecode):

@@ -42,8 +42,10 @@ class LifecycleDriverMixin:
         req.pipeline = req.lc.outcome.value
         return self._carry(req, req.lc.start(now), now, matched=matched)
 
-    def _feed(self, req: SimRequest, fact, times: dict[int, float] | None = None) -> list[Event]:
-        return self._carry(req, req.lc.handle(fact), fact.now, times=times)
+    def _feed(self, req: SimRequest, fact, times: list[float] = (), first: int = 0) -> list[Event]:
+        """`times[k]`: when token `first + k` was made (a step's tokens); other
+        tokens the fact releases were made at `fact.now`."""
+        return self._carry(req, req.lc.handle(fact), fact.now, times, first)
 
     def _on_tokens(self, inst: SimInstance, seq: Seq, times: list[float], now: float) -> list[Event]:
         """A step's tokens for `seq`: one fact for all of them, then the
@@ -58,7 +60,7 @@ class LifecycleDriverMixin:
         first = seq.next_index - len(times)
         fact = io.DecodeTokens(now, leg, first, tuple(range(first, seq.next_index)),
                                inst.view() if seq.relay else None)
-        evs = self._feed(req, fact, {first + k: t for k, t in enumerate(times)})
+        evs = self._feed(req, fact, times, first)
         if seq.finished:
             evs += self._stream_ended(req, leg, now)
         return evs
@@ -157,8 +159,10 @@ class LifecycleDriverMixin:
         return self._kick(inst, now)        # busy: a macro step ends at the next boundary
 
     # --- commands out ----------------------------------------------------------
-    def _carry(self, req: SimRequest, cmds: list, now: float, times: dict[int, float] | None = None,
+    def _carry(self, req: SimRequest, cmds: list, now: float, times: list[float] = (), first: int = 0,
                matched: int = 0) -> list[Event]:
+        def made(i: int) -> float:
+            return times[i - first] if 0 <= i - first < len(times) else now
         evs: list[Event] = []
         i, n = 0, len(cmds)
         while i < n:
@@ -171,7 +175,13 @@ class LifecycleDriverMixin:
                 while i < n and isinstance(cmds[i], io.Emit) and cmds[i].source is cmd.source:
                     run.append(cmds[i])
                     i += 1
-                self._emit(req, cmd.source, [(times or {}).get(c.index, now) for c in run])
+                self._emit(req, cmd.source, [made(c.index) for c in run])
+            elif isinstance(cmd, io.EmitRun):
+                k = cmd.first_index - first
+                if k == 0 and len(cmd.tokens) == len(times):
+                    self._emit(req, cmd.source, times)         # the whole step, as made
+                else:
+                    self._emit(req, cmd.source, [made(cmd.first_index + j) for j in range(len(cmd.tokens))])
             elif isinstance(cmd, io.StartPrefill):
                 req.targets = cmd.targets
                 evs += self._start_prefill(req, self.instances[cmd.p_id], matched, now)
