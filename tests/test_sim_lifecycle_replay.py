@@ -1,4 +1,5 @@
-"""The simulator decides nothing itself about a PDD request's life: every
+"""The simulator decides nothing itself about a PDD request's life (faults
+included: a WAN cut): every
 command it carried out is what a fresh `RequestLifecycle` returns for the
 facts the simulator fed it, replayed in the run's order with the same
 routing decisions and relay budgets; and each record's decision log is
@@ -29,19 +30,22 @@ from pdd.sim.runtime import RuntimeMode, run_runtime_mode
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-PRESETS = ("quick", "validate")       # 100 requests each: the paths below, in ~1 s
+# 100 requests each, ~1 s: the paths below; "quick+cuts": the WAN cut for
+# 3 s every 20 s (copies fail, DIRECT fails over to RLD, routing sees it down).
+RUNS = ("quick", "validate", "quick+cuts")
+CUTS = [(t, t + 3.0) for t in (10.0, 30.0, 50.0, 70.0, 90.0, 110.0)]
 
 
 @pytest.fixture(scope="module")
 def runs():
     out = {}
-    with pytest.MonkeyPatch.context() as mp:
-        for preset in PRESETS:
-            out[preset] = record_run(mp, preset)
+    for name in RUNS:
+        with pytest.MonkeyPatch.context() as mp:
+            out[name] = record_run(mp, name.split("+")[0], cuts=CUTS if name.endswith("+cuts") else ())
     return out
 
 
-def record_run(monkeypatch, preset: str, num_requests: int = 100):
+def record_run(monkeypatch, preset: str, num_requests: int = 100, cuts=()):
     """Simulate examples/pdd.toml on an agentic workload, keeping every
     routing decision, lifecycle creation, fact and command in order."""
     calls: list[tuple] = []
@@ -65,16 +69,23 @@ def record_run(monkeypatch, preset: str, num_requests: int = 100):
         calls.append(("note", d, facts))
         return note_decision(budgets, d, facts)
 
+    run = cluster_mod.Cluster.run
+
+    def run_with_cuts(self, until_s):
+        for at_s, restore_s in cuts:
+            self.cut_link("wan", at_s, restore_s)
+        return run(self, until_s)
     monkeypatch.setattr(driver_mod, "RequestLifecycle", Recording)
     monkeypatch.setattr(cluster_mod, "note_decision", note)
+    monkeypatch.setattr(cluster_mod.Cluster, "run", run_with_cuts)
     wl = agentic.generate(dataclasses.replace(agentic.PRESETS[preset], num_requests=num_requests))
     entry_, records, _ = run_runtime_mode(RuntimeMode("pdd", str(EXAMPLES / "pdd.toml")), wl, Sla(10.0, 1.0))
     return calls, records
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_simulated_commands_equal_a_replay_of_its_facts(runs, preset):
-    calls, records = runs[preset]
+@pytest.mark.parametrize("name", RUNS)
+def test_simulated_commands_equal_a_replay_of_its_facts(runs, name):
+    calls, records = runs[name]
     cfg = next(c[3] for c in calls if c[0] == "new")
     budgets, lcs, words = RelayBudgets(cfg), {}, {}
     num_facts = 0
@@ -106,14 +117,21 @@ def test_simulated_commands_equal_a_replay_of_its_facts(runs, preset):
 def test_the_replayed_runs_cover_the_lifecycle_paths(runs):
     """The workloads above are worth replaying: direct and relayed requests,
     filtered ones, handoffs of both modes that complete, relays that end on
-    RLD with MD's copy still landing (parked) or cancelled (dropped)."""
+    RLD with MD's copy still landing (parked) or cancelled (dropped); with
+    the WAN cut, DIRECT requests whose copy failed fail over to RLD (P sends
+    its KV again) and requests routed meanwhile stay on RLD."""
     records = [r for _, recs in runs.values() for r in recs]
     logs = [tuple(e["log"]) for r in records for e in r.events if e["name"] == "lifecycle"]
-    assert len(logs) == len(records) == 100 * len(PRESETS)
+    assert len(logs) == len(records) == 100 * len(RUNS)
     outcomes = Counter(r.pipeline for r in records)
-    assert outcomes["direct"] > 0 and outcomes["relay"] > 0 and outcomes["relay_filtered"] > 0
+    for outcome in ("direct", "relay", "relay_filtered", "direct_failover_relay", "relay_only"):
+        assert outcomes[outcome] > 0, outcome
+    for r in runs["quick+cuts"][1]:
+        assert not r.failed, r.error
+        if r.pipeline in ("direct_failover_relay", "relay_only"):
+            assert r.rld_tokens == r.output_tokens and r.wan_bytes == 0
     words = Counter(w for log in logs for w in set(log))
     for w in ("note:md_ready:one_shot", "note:md_ready:catch_up", "extend", "extend_final", "pause:rld",
               "note:handoff_complete", "emit:md", "note:md_parked", "abort:md:keep_kv", "note:md_dropped",
-              "abort:rld"):
+              "abort:rld", "note:failover", "start_transfer"):
         assert words[w] > 0, w

@@ -271,6 +271,8 @@ class LifecycleDriverMixin:
         for leg in list(req.seqs):
             evs += self._close(req, leg, now)
         req.legs.clear()
+        if failed and not req.lc.warming:       # the router closes P's stream too: P frees the KV
+            evs += self._release_p(req, now)
         return evs + self._finish(req, now, error=cmd.error if failed else None,
                                   cache_on=self.instances[md] if md else None)
 

@@ -33,6 +33,8 @@ class TransfersMixin:
         lifecycle's `Transfer.background`) yields the line."""
         name = self._link_name(src.datacenter, dst.datacenter)
         link = self.links[name]
+        if not link.up:         # the connection attempt fails after a round trip
+            return [self._later(link.rtt_s, name, lambda t: self._copy_failed(req, dst.instance_id, t, f"{name} down"))]
         flow_id = f"{req.spec.request_id}/{kind}/{dst.instance_id}"
         # Its size is known at HAVE time (set in `join`).
         self.flows[flow_id] = (req, kind, dst.instance_id, now, None, name)
@@ -173,10 +175,41 @@ class TransfersMixin:
         ended = lambda t: self._feed(req, TransferEnded(t, dst_id, False, "cancelled"))
         return evs + [self._later(0.0, req.spec.request_id, ended)]
 
+    def cut_link(self, name: str, at_s: float, restore_s: float) -> None:
+        """Cut link `name` ("wan", "rdma-<dc>") from `at_s` to `restore_s`:
+        every copy on it fails as P reports it (a failed transfer, with the
+        live decoders for the lifecycle's failover), copies started meanwhile
+        fail after one RTT, and routing sees the line down. Only KV copies
+        are modelled: the router's streams to MD stay up."""
+        def cut(now: float) -> list[Event]:
+            link = self.links[name]
+            link.up = False
+            evs: list[Event] = []
+            for fid in [f for f, entry in self.flows.items() if entry[5] == name]:
+                req, _, dst_id = self.flows.pop(fid)[:3]
+                for table in (self.flow_handshake, self.flow_steps, self.flow_yielded):
+                    table.pop(fid, None)
+                nxt = link.cancel(now, fid)
+                evs += [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
+                evs += self._flow_ended(fid, now)
+                evs += self._copy_failed(req, dst_id, now, f"{name} cut")
+            return evs
+
+        def restore(now: float) -> list[Event]:
+            self.links[name].up = True
+            return []
+        self.loop.push(Event(at_s, EventKind.MESSAGE, name, cut))
+        self.loop.push(Event(restore_s, EventKind.MESSAGE, name, restore))
+
+    def _copy_failed(self, req: SimRequest, dst_id: str, now: float, error: str) -> list[Event]:
+        healthy = tuple(i.view() for i in self.instances.values() if i.role in (Role.RELAY, Role.MAIN))
+        return self._feed(req, TransferEnded(now, dst_id, False, error, healthy))
+
     def _release_p(self, req: SimRequest, now: float) -> list[Event]:
-        """P frees the prompt's KV (the lifecycle's `ReleaseP`)."""
+        """P frees the prompt's KV (the lifecycle's `ReleaseP`, or its stream
+        closed by a failed request's end); once."""
         p = self.instances[req.p_id]
         p.release(req.p_blocks)
         p.unshare(req.p_shared)
-        req.p_shared = []
+        req.p_blocks, req.p_shared = 0, []
         return self._kick(p, now)
