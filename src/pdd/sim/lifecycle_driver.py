@@ -82,28 +82,26 @@ class LifecycleDriverMixin:
         if req.lc.done is not None or req.legs.get(leg, (None,))[0] != dst.instance_id:
             return evs
         hold = req.legs[leg][1]
-        if s.output_tokens <= 1 and not hold:
-            evs += self._feed(req, io.KvReady(now)) if leg is io.Leg.MD else []
-            evs += self._feed(req, io.DecodeTokens(now, leg, 0, (0,), dst.view()))
-            return evs + self._stream_ended(req, leg, now)
-        shared = dst.pin_prefix(s.block_ids)      # imported blocks, pinned for the request
-        blocks = dst.blocks_for(s.prompt_tokens + s.max_tokens) - len(shared)
-        if hold:
-            seq = Seq(req, s.prompt_tokens, blocks, relay=False, decoding=False, shared=shared)
-            seq.next_index = 0
-        else:
-            seq = Seq(req, s.prompt_tokens + 1, blocks, relay=leg is io.Leg.RLD, shared=shared)
-            seq.next_index = 1
-            seq.first = self._first_step_tokens(s.prompt_tokens)
-        # Registered before token 0 goes out: the handoff may pause it at once.
-        req.seqs[leg] = (dst.instance_id, seq)
+        seq = None
+        if hold or s.output_tokens > 1:          # a one-token answer needs no decode step
+            shared = dst.pin_prefix(s.block_ids)      # imported blocks, pinned for the request
+            blocks = dst.blocks_for(s.prompt_tokens + s.max_tokens) - len(shared)
+            if hold:
+                seq = Seq(req, s.prompt_tokens, blocks, relay=False, decoding=False, shared=shared)
+                seq.next_index = 0
+            else:
+                seq = Seq(req, s.prompt_tokens + 1, blocks, relay=leg is io.Leg.RLD, shared=shared)
+                seq.next_index = 1
+                seq.first = self._first_step_tokens(s.prompt_tokens)
+            # Registered before token 0 goes out: the handoff may pause it at once.
+            req.seqs[leg] = (dst.instance_id, seq)
         if not hold:
             evs += self._feed(req, io.KvReady(now)) if leg is io.Leg.MD else []
             evs += self._feed(req, io.DecodeTokens(now, leg, 0, (0,), dst.view() if leg is io.Leg.RLD else None))
+            if seq is None:
+                return evs + self._stream_ended(req, leg, now)
         if req.seqs.get(leg, (None, None))[1] is not seq:
-            dst.unshare(seq.shared)            # closed by what token 0 decided
-            seq.shared = []
-            return evs
+            return evs                         # closed by what token 0 decided (KV unpinned)
         return evs + self._submit(dst, seq, now)
 
     def _md_ready(self, md: SimInstance, seq: Seq, now: float) -> list[Event]:
