@@ -126,3 +126,13 @@ def test_decision_log_keeps_decisions_not_repeats():
               {"name": "md_ready", "eager_tokens": 9, "mode": "one_shot"}, {"name": "prefill_end"}]
     assert trace_log(events) == ("note:kv_ready", "note:md_ready:one_shot")
     assert notes_only(decision_log(words)) == ("note:kv_ready",)
+
+
+def test_the_live_filter_leaves_a_landed_copy_alone():
+    """P reported MD's copy landed, MD's `kv_ready` is not in yet: nothing
+    is left to cancel on the WAN, so MD keeps the request."""
+    lc = _relay(max_tokens=6, est_wan_s=30.0, filterable=True)
+    lc.handle(TransferEnded(0.9, "m0", True))
+    out = lc.handle(DecodeTokens(1.0, Leg.RLD, 0, tuple(ref(i) for i in range(4)), rld()))
+    assert [type(c).__name__ for c in out] == ["Emit"] * 4
+    assert lc.md_live and lc.outcome.value == "relay"

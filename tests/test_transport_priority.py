@@ -72,18 +72,50 @@ def test_two_foreground_transfers_share_and_neither_yields():
 def test_gate_holds_background_only_while_foreground_is_in_progress():
     async def main():
         gate = LineGate()
-        assert await gate.turn("wan") == 0.0
+        assert await gate.turn("wan", 1, 10) == 0.0
+        gate.release("wan", 1)
         gate.enter("wan")
         gate.enter("wan")
-        waiter = asyncio.ensure_future(gate.turn("wan"))
-        other = await gate.turn("local")          # another line is not held
+        waiter = asyncio.ensure_future(gate.turn("wan", 1, 10))
+        other = await gate.turn("local", 2, 10)        # another line is not held
+        gate.release("local", 2)
         await asyncio.sleep(0.05)
         gate.leave("wan")
         await asyncio.sleep(0.05)
         assert other == 0.0 and not waiter.done()  # one foreground transfer still on the line
         gate.leave("wan")
         assert await asyncio.wait_for(waiter, 1) >= 0.09
+        gate.release("wan", 1)
         assert not gate.busy("wan")
+    asyncio.run(main())
+
+
+def test_background_copies_take_turns_fewest_blocks_left_first():
+    async def main():
+        gate = LineGate()
+        order = []
+
+        async def copy(key, blocks):
+            for left in range(blocks, 0, -1):
+                await gate.turn("wan", key, left)
+                order.append(key)
+                await asyncio.sleep(0.001)          # writing a slice
+                gate.release("wan", key)
+        gate.enter("wan")                            # both wait behind a foreground transfer
+        tasks = [asyncio.ensure_future(copy(1, 5)), asyncio.ensure_future(copy(2, 2))]
+        await asyncio.sleep(0.01)
+        gate.leave("wan")
+        await asyncio.wait_for(asyncio.gather(*tasks), 2)
+        # The shorter copy goes first and to its end; one slice at a time.
+        assert order == [2, 2, 1, 1, 1, 1, 1]
+        # A copy cancelled while asking does not block the others.
+        gate.enter("wan")
+        stuck = asyncio.ensure_future(gate.turn("wan", 3, 1))
+        later = asyncio.ensure_future(gate.turn("wan", 4, 9))
+        await asyncio.sleep(0.01)
+        stuck.cancel()
+        gate.leave("wan")
+        assert await asyncio.wait_for(later, 1) > 0
     asyncio.run(main())
 
 

@@ -329,6 +329,7 @@ class Engine:
             "num_evictions": self.pool.num_evictions,
             "num_steps": self.num_steps,
             "decode_step_s": self.recent_decode_step_s(),
+            "prefill_tokens_s": self.recent_prefill_tokens_s(),
         }
 
     def recent_decode_step_s(self, window: int = 32) -> float | None:
@@ -344,6 +345,23 @@ class Engine:
                 if len(xs) == window:
                     break
         return sum(xs) / len(xs) if xs else None
+
+
+    def recent_prefill_tokens_s(self, window: int = 16) -> float | None:
+        """Prompt tokens per second of the last steps that computed prompts (the
+        policy's estimate of how long a prefill streams its KV)."""
+        tokens = wall = 0.0
+        n = 0
+        try:
+            recent = [self.step_log[-k] for k in range(1, min(len(self.step_log), 4 * window) + 1)]
+        except IndexError:
+            return None
+        for r in recent:
+            if r.num_prefill_tokens > 0:
+                tokens, wall, n = tokens + r.num_prefill_tokens, wall + r.wall_s, n + 1
+                if n == window:
+                    break
+        return tokens / wall if wall > 0 else None
 
 
 def status_reason(status: RequestStatus) -> str:

@@ -14,7 +14,8 @@ RLD, release P, emit a token, finish). No clock, no I/O: the router's
       MD's token `stop_at` completes the handoff (RLD aborted)
     RLD ends first -> MD parked (`keep_wan_copy`: its copy still lands) or dropped
     MD / WAN fails before it owns the stream -> RLD resumes (held tokens emitted)
-    DIRECT fails before a token -> failover: P sends its KV to an RLD (`pick_spare`)
+    DIRECT fails before a token -> failover: P sends its KV to an RLD (`pick_spare`),
+      after its prefill when the copy failed before P's first token
     RLD gone -> `on_rld_lost`: MD takes over by a final extend of what the
       user has (P re-sends the KV first when MD had no copy), or fail
     the user's stream: every token index exactly once, in order (Emit)
@@ -32,8 +33,8 @@ from pdd.policy.handoff import Complete, HandoffSession, SendBatch, new_session
 from pdd.policy.lifecycle_io import (
     Abort, ClientGone, CloseStream, Command, DeadlinePassed, DecodeEnded, DecodeToken, DecodeTokens, Emit,
     EmitRun, EndReason, Extended, ExtendMd, Fact, Finish, FinishReason, KvReady, Leg, Note, OpenDecode,
-    Outcome, PauseRld, PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, Transfer, TransferEnded,
-    WanFailed,
+    Outcome, PauseRld, PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, StartTransfer, Transfer,
+    TransferEnded, WanFailed,
 )
 from pdd.policy.lifecycle_recovery import RecoveryRules, _Failed, pick_spare
 from pdd.policy.pipeline import (
@@ -46,7 +47,7 @@ __all__ = ["RequestLifecycle", "pick_spare", "remaining_wan_s"]
 
 def remaining_wan_s(d: PipelineDecision, wan_elapsed_s: float) -> float:
     """Routing's WAN estimate less the time the copy has had."""
-    return max(0.0, d.est_wan_s - max(wan_elapsed_s, 0.0))
+    return max(0.0, d.wait_s - max(wan_elapsed_s, 0.0))
 
 
 class RequestLifecycle(RecoveryRules):
@@ -82,6 +83,7 @@ class RequestLifecycle(RecoveryRules):
         self.rld_lost: str | None = None
         self.rld_end: EndReason | None = None      # RLD finished while paused for the final batch
         self.takeover_pending = False
+        self.failover_to: str | None = None        # RLD that gets P's KV once P has prefilled
         self.p_open = False
         self.p_released = False
         self.ended_on_rld = False
@@ -190,9 +192,15 @@ class RequestLifecycle(RecoveryRules):
         self.first_token = f.token
         self.wan_started_s = f.now
         self._try_takeover(f.now)
+        rld, self.failover_to = self.failover_to, None
         if self.done is None and (f.stop or self.req.max_tokens == 1):
             self._emit(f.token, Leg.P)
             self._finish(FinishReason.STOP if f.stop else FinishReason.LENGTH)
+            if rld is not None:                 # the answer is out: no copy for the failover
+                del self.transfers[rld]
+                self._maybe_release_p()
+        elif rld is not None:
+            self._out.append(StartTransfer(rld))
 
     def _on_transfer(self, f: TransferEnded) -> None:
         self.transfers[f.instance_id] = f.ok
@@ -273,12 +281,18 @@ class RequestLifecycle(RecoveryRules):
         self._finish(FinishReason(reason.value))
 
     def _maybe_cancel_wan(self, now: float) -> None:
-        """The live filter: RLD will finish before the WAN copy lands."""
+        """The live filter: RLD will finish before the WAN copy lands. A copy
+        that has landed (MD's `kv_ready` may still be on its way) is left be:
+        cancelling it would save no WAN bytes, only drop MD's request; so is
+        one whose request RLD has just answered in full (its end settles the
+        copy, `keep_wan_copy`)."""
         rld = self.rld_view
         if not self.md_live or self.session is not None or self.wan_started_s is None or rld is None:
             return
-        elapsed = now - self.wan_started_s
         left = self.req.max_tokens - len(self.tokens)
+        if self.transfers.get(self.md_id) is not None or left <= 0:
+            return
+        elapsed = now - self.wan_started_s
         if cancel_wan(self.d, self.budgets, now, elapsed, left, rld, self.cfg):
             if self.budgets is not None:
                 convert_to_relay_only(self.budgets)

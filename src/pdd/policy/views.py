@@ -35,6 +35,11 @@ class InstanceView:
     # Recent mean wall time of one decode step (a measured fact); None when the
     # instance has not decoded yet and the policy should use its prior.
     step_time_s: float | None = None
+    # Recent prompt tokens per second of its prefill steps (P): how long a
+    # prompt computes, i.e. how much of its transfer streams behind it.
+    prefill_tokens_s: float | None = None
+    # Prompt tokens one engine step computes at most (its chunk); 0: unknown.
+    chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if min(self.num_running, self.num_waiting, self.kv_free_blocks) < 0:

@@ -50,7 +50,8 @@ class Cluster:
         self.members: dict[str, Member] = {}
         for inst in spec.instances:
             view = InstanceView(inst.name, PolicyRole(inst.role.value), inst.datacenter, 0, 0,
-                                inst.engine.max_num_seqs, inst.engine.num_blocks, inst.engine.num_blocks)
+                                inst.engine.max_num_seqs, inst.engine.num_blocks, inst.engine.num_blocks,
+                                chunk_tokens=inst.engine.max_num_batched_tokens)
             m = Member(inst, address(spec, inst, spec.router_datacenter), view)
             if m.http.link == "wan":
                 m.index = CacheIndex()
@@ -95,7 +96,7 @@ class Cluster:
                 m.index.apply(s["kv"], now)
             m.view = replace(m.view, num_running=int(s["num_running"]), num_waiting=int(s["num_waiting"]),
                              kv_free_blocks=int(s["kv_free_blocks"]), kv_total_blocks=int(s["kv_total_blocks"]),
-                             step_time_s=s.get("decode_step_s"))
+                             step_time_s=s.get("decode_step_s"), prefill_tokens_s=s.get("prefill_tokens_s"))
 
         await asyncio.gather(*(one(m) for m in self.members.values()))
 

@@ -67,7 +67,7 @@ class PddRun:
         self.decision = d
         ctx.trace.pipeline, ctx.trace.pipeline_reason = io.Outcome.of(d).value, d.reason
         ctx.trace.event("pipeline", pipeline=d.pipeline.value, reason=d.reason,
-                        missing_bytes=d.missing_bytes, est_wan_s=d.est_wan_s)
+                        missing_bytes=d.missing_bytes, est_wan_s=d.est_wan_s, wait_s=d.wait_s)
         self.members[io.Leg.P] = c.members[d.p_id]
         return RequestLifecycle(facts, d, c.policy, c.relay_budgets, self.plan_warm(d, matched))
 

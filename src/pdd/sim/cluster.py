@@ -127,11 +127,21 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         self.router_delay_s = 0.0
         sv = mode.serving
         self.manifest_wait = sv is not None and sv.manifest_after_step
+        # P streams each block as its chunk is computed (the servers do):
+        # transfers start with the prefill; one that has crossed lands only
+        # after the prefill and its last chunk's bytes.
+        self.stream_kv = sv is not None and sv.stream_kv and not self.manifest_wait
+        self.after_prefill: dict[str, list] = {}     # request id -> flows done before its prefill
+        for inst in self.instances.values():
+            inst.streams_kv = self.stream_kv
         self.import_wait = sv.import_wait if sv is not None else "none"
         if sv is not None:
             for inst in self.instances.values():
                 inst.deliver_s = sv.token_s + self._one_way_dc(sv.router_datacenter, inst.datacenter)
-            asked = [i for i in self.instances.values() if i.role in (Role.PREFILL, Role.MAIN, Role.RELAY)]
+            # The router asks the instances of its own datacenter; those across
+            # the WAN it reads from its index of their caches (no round trip).
+            asked = [i for i in self.instances.values() if i.role in (Role.PREFILL, Role.MAIN, Role.RELAY)
+                     and i.datacenter == sv.router_datacenter]
             rtt = max((2 * self._one_way_dc(sv.router_datacenter, i.datacenter) for i in asked),
                       default=0.0)
             self.router_delay_s = sv.request_s + (rtt if sv.match_round_trip else 0.0)
@@ -175,6 +185,9 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         evs = self._run_pending(inst, now)
         t = inst.start_step(now)
         evs += self._on_admitted(inst, now)
+        if self.stream_kv and inst.role is Role.PREFILL:
+            for job in inst.first_chunks():
+                evs += self._on_prefill_started(inst, job, now)
         if t is None:
             for fn in inst.pop_waiters():      # an idle engine runs commands at once
                 evs += fn(now)
@@ -315,8 +328,14 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
             p.add_seq(Seq(req, s.prompt_tokens + 1, job.num_blocks, relay=False, shared=job.shared))
             return []
         req.p_blocks, req.p_shared = job.num_blocks, job.shared
+        req.prefill_done_s = now
         s = req.spec
         evs = self._feed(req, Prefilled(now, 0, stop=s.output_tokens <= 1 < s.max_tokens))
+        if req.streamed:
+            # The copies left with the prefill (`_on_prefill_started`); a warm
+            # push of MD's cache goes now.
+            evs += [e for t in req.targets if t.warm_blocks for e in self._send(req, t, now)]
+            return evs + self._tails_after_prefill(req, job, now)
 
         def send(t: float) -> list[Event]:
             # Only what the receiver lacks at its HAVE answer travels.
@@ -325,6 +344,16 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
             p.wait_boundaries(1, send)     # the KV manifest is read after P's next step
             return evs
         return evs + send(now)
+
+
+    def _on_prefill_started(self, p: SimInstance, job: Job, now: float) -> list[Event]:
+        """P starts on the prompt: its copies (StartPrefill's targets but a
+        warm push) start streaming."""
+        req = job.req
+        if p.role is not Role.PREFILL or req.lc is None or req.streamed:
+            return []
+        req.streamed = True
+        return [e for t in req.targets if not t.warm_blocks for e in self._send(req, t, now)]
 
 
 def _bytes(gbps: float | None) -> float | None:

@@ -223,7 +223,9 @@ class LifecycleDriverMixin:
         if seq is None:
             return []
         inst = self.instances[iid]
-        parked = seq in inst.parked        # out of the batch already: the steps under way stand
+        # Out of the batch already: a busy engine's steps under way stand
+        # (its next step admits what waits); an idle one starts one.
+        parked = seq in inst.parked and inst.busy
         inst.remove_seq(seq)
         return [] if parked else self._kick(inst, now)
 

@@ -14,7 +14,8 @@ processes that share a core also lose time to switching between them.
 
 Background flows (`pdd.policy.copy_yields_line`) yield: while any
 foreground flow is active they get nothing, as the servers' senders pause
-them (`pdd.transport.priority`); the time they wait is kept per flow
+them (`pdd.transport.priority`), and among themselves they go one at a
+time, fewest bytes left first; the time they wait is kept per flow
 (`yielded_s`), for the estimator, as the real sender reports it.
 
 A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow;
@@ -57,9 +58,13 @@ class Link:
         self.bytes_delivered = 0.0
 
     def _sharing(self) -> list[Flow]:
-        """The flows that get the line now: the foreground ones, or else all."""
+        """The flows that get the line now: the foreground ones; else the
+        background one with the fewest bytes left (the servers' senders take
+        background copies one at a time, shortest first)."""
         fg = [f for f in self.flows.values() if not f.background]
-        return fg or list(self.flows.values())
+        if fg or not self.flows:
+            return fg
+        return [min(self.flows.values(), key=lambda f: (f.remaining, f.started_s))]
 
     def rate_per_flow(self) -> float:
         n = len(self._sharing())
@@ -99,6 +104,15 @@ class Link:
         self.flows[flow_id] = Flow(flow_id, float(num_bytes), float(num_bytes), now, background)
         return self._next()
 
+    def promote(self, now: float, flow_id: str) -> tuple[float, int] | None:
+        """A background flow becomes foreground (a foreground transfer waits on it)."""
+        f = self.flows.get(flow_id)
+        if f is None or not f.background:
+            return None
+        self._advance(now)
+        f.background = False
+        return self._next()
+
     def cancel(self, now: float, flow_id: str) -> tuple[float, int] | None:
         self._advance(now)
         self.flows.pop(flow_id, None)
@@ -126,9 +140,9 @@ class Link:
         f = self.flows.get(flow_id)
         if f is None:
             return 0.0
-        fg = [g for g in self.flows.values() if not g.background]
-        if not f.background or not fg:
+        if not f.background:
             return f.remaining / self.rate_per_flow()
-        bg = len(self.flows) - len(fg)
-        ahead_s = sum(g.remaining for g in fg) / self.bandwidth_bytes_s
-        return ahead_s + f.remaining / min(self.bandwidth_bytes_s / bg, self.max_flow_bytes_s)
+        # Behind the foreground flows and the shorter background ones.
+        ahead = sum(g.remaining for g in self.flows.values()
+                    if not g.background or (g.remaining, g.started_s) < (f.remaining, f.started_s))
+        return (ahead + f.remaining) / min(self.bandwidth_bytes_s, self.max_flow_bytes_s)

@@ -108,13 +108,22 @@ class KVSender:
         self._handshakes: dict[tuple[str, int], asyncio.Semaphore] = {}
         self._active: set[TransferHandle] = set()
         self.gate = LineGate()
+        # Foreground transfers waiting for HAVE, per receiver: a receiver holds
+        # HAVE back while another transfer brings it the same blocks, so a
+        # background copy to that receiver must not yield meanwhile (priority
+        # inheritance: the foreground transfer is waiting on it).
+        self._awaiting_have: dict[tuple[str, int], int] = {}
 
     def send(self, host: str, port: int, request_id: str, meta: dict, block_hashes: list[bytes],
              get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S, *,
-             line: str | None = None, background: bool = False) -> TransferHandle:
+             line: str | None = None, background: bool = False,
+             finish: Callable[[], Awaitable[dict]] | None = None) -> TransferHandle:
         """Starts the transfer as a task of the running loop and returns at once.
         `line` names the link it crosses; on it a `background` transfer yields to
-        the others (`pdd.transport.priority`). No line: no priority."""
+        the others (`pdd.transport.priority`). No line: no priority.
+        Streaming: `get_block` may wait until a block exists, and `finish`, when
+        given, is awaited after the last block; what it returns travels in END
+        (P's first token, known only once the prefill is over)."""
         status = TransferStatus(request_id, num_blocks=len(block_hashes), started_s=time.monotonic(), meta=dict(meta))
         handle = TransferHandle(status)
         if not callable(get_block):
@@ -123,7 +132,8 @@ class KVSender:
                 raise ValueError(f"{len(blocks)} blocks for {len(block_hashes)} hashes")
             get_block = blocks.__getitem__
         handle.task = asyncio.get_running_loop().create_task(
-            self._run(handle, host, port, meta, list(block_hashes), get_block, deadline_s, line, background))
+            self._run(handle, host, port, meta, list(block_hashes), get_block, deadline_s, line, background,
+                      finish))
         self._active.add(handle)
         handle.task.add_done_callback(lambda _t: self._active.discard(handle))
         return handle
@@ -194,8 +204,19 @@ class KVSender:
         else:
             stream.writer.close()  # graceful: nothing is left to flush after the END ack
 
+    async def _read_have(self, stream: FrameStream, dest: tuple[str, int], foreground: bool):
+        if not foreground:
+            return await stream.read_frame(None)
+        self._awaiting_have[dest] = self._awaiting_have.get(dest, 0) + 1
+        try:
+            return await stream.read_frame(None)
+        finally:
+            self._awaiting_have[dest] -= 1
+            if not self._awaiting_have[dest]:
+                del self._awaiting_have[dest]
+
     async def _write_block(self, stream: FrameStream, frame: bytes, line: str | None, background: bool,
-                           status: TransferStatus) -> None:
+                           status: TransferStatus, dest: tuple[str, int]) -> None:
         """One BLOCK frame: whole, or (background) in slices, each after the
         foreground transfers on the line are through."""
         if line is None or not background:
@@ -203,21 +224,25 @@ class KVSender:
             await stream.drain()
             return
         view = memoryview(frame)
+        key = id(status)
+        left = status.num_blocks - status.num_blocks_skipped - status.num_blocks_sent + 1
         for off in range(0, len(frame), SLICE_BYTES):
-            status.yielded_s += await self.gate.turn(line)
-            status.bytes_sent += stream.write(view[off:off + SLICE_BYTES])
-            await stream.drain()
+            held = not self._awaiting_have.get(dest)
+            if held:
+                status.yielded_s += await self.gate.turn(line, key, left)
+            try:
+                status.bytes_sent += stream.write(view[off:off + SLICE_BYTES])
+                await stream.drain()
+            finally:
+                if held:
+                    self.gate.release(line, key)
 
     async def _run(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
                    get_block: Callable, deadline_s: float, line: str | None = None,
-                   background: bool = False) -> None:
-        if line is not None and not background:
-            # Background transfers on the line wait from now until this one
-            # has written its last block (or ended).
-            handle.holds_line = line
-            self.gate.enter(line)
+                   background: bool = False, finish: Callable | None = None) -> None:
         try:
-            await self._transfer(handle, host, port, meta, hashes, get_block, deadline_s, line, background)
+            await self._transfer(handle, host, port, meta, hashes, get_block, deadline_s, line, background,
+                                 finish)
         finally:
             self._let_go(handle)
 
@@ -227,7 +252,8 @@ class KVSender:
             handle.holds_line = None
 
     async def _transfer(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
-                        get_block: Callable, deadline_s: float, line: str | None, background: bool) -> None:
+                        get_block: Callable, deadline_s: float, line: str | None, background: bool,
+                        finish: Callable | None) -> None:
         status = handle.status
         stream: FrameStream | None = None
         try:
@@ -239,7 +265,7 @@ class KVSender:
                                                                self.max_frame_bytes))
                 status.state = TransferState.WAITING
                 begun = time.monotonic()
-                have = await stream.read_frame(None)
+                have = await self._read_have(stream, (host, port), line is not None and not background)
                 status.handshake_s = time.monotonic() - begun
                 if isinstance(have, Error):
                     raise _PeerError(f"receiver refused transfer: {have.message}")
@@ -247,6 +273,13 @@ class KVSender:
                     raise _PeerError(f"protocol error: expected HAVE for {len(hashes)} blocks, got {have}")
                 status.num_blocks_skipped = len(have.indices)
                 status.state = TransferState.TRANSFERRING
+                if line is not None and not background:
+                    # Background transfers on the line wait from now until this
+                    # one has written its last block (or ended). Not before HAVE:
+                    # the receiver may hold HAVE back until a background copy of
+                    # the same blocks has landed, which must not wait for us.
+                    handle.holds_line = line
+                    self.gate.enter(line)
                 # Read the receiver's answer while sending: a receiver that refuses
                 # mid-transfer (a block failing its seal, a handler error) says why
                 # in an ERROR and closes; stop at once and report that reason, not
@@ -260,15 +293,22 @@ class KVSender:
                             continue
                         payload = get_block(i)
                         if inspect.isawaitable(payload):
+                            t0 = time.monotonic()
                             payload = await payload
+                            status.waited_s += time.monotonic() - t0
                         wire_payload = seal_block(payload) if self.seal_blocks else payload
                         frame = encode_block(i, block_hash, wire_payload, self.max_frame_bytes)
                         status.num_blocks_sent += 1
                         status.payload_bytes += len(payload)
-                        await self._write_block(stream, frame, line, background, status)
-                    if not answer.done():
-                        status.bytes_sent += stream.write(encode_end(status.num_blocks_sent))
+                        await self._write_block(stream, frame, line, background, status, (host, port))
                     self._let_go(handle)
+                    extra = None
+                    if finish is not None and not answer.done():
+                        t0 = time.monotonic()
+                        extra = await finish()
+                        status.waited_s += time.monotonic() - t0
+                    if not answer.done():
+                        status.bytes_sent += stream.write(encode_end(status.num_blocks_sent, extra))
                     ack = await answer
                 except (ConnectionError, OSError):
                     await asyncio.sleep(0)       # let a frame that arrived before the reset be read

@@ -27,18 +27,27 @@ NOTSENT_LOWAT_BYTES = 64 * 1024  # unsent bytes a socket may hold (TCP_NOTSENT_L
 
 
 class LineGate:
-    """Counts foreground transfers per line; background ones wait for none."""
+    """Who may write to a line now: foreground transfers always; background
+    ones only while no foreground transfer is in progress, one slice at a
+    time, the one with the fewest blocks left first.
+
+    Shortest-remaining-first among the background copies: shared evenly,
+    four 90 MB copies would all land after four copies' time; one after the
+    other, the first lands after one copy's time, the second after two, and
+    each lets MD take over its request that much sooner (less of the answer
+    left on RLD). A copy waiting for P to compute its next block does not ask,
+    so the others use the line meanwhile."""
 
     def __init__(self) -> None:
         self._foreground: dict[str, int] = {}
-        self._clear: dict[str, asyncio.Event] = {}
+        self._asking: dict[str, dict[int, tuple[int, int]]] = {}   # line -> key -> (blocks left, order)
+        self._holder: dict[str, int] = {}                          # line -> key writing a slice
+        self._changed = asyncio.Event()
+        self._order = 0
 
-    def _event(self, line: str) -> asyncio.Event:
-        ev = self._clear.get(line)
-        if ev is None:
-            ev = self._clear[line] = asyncio.Event()
-            ev.set()
-        return ev
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def busy(self, line: str) -> bool:
         return self._foreground.get(line, 0) > 0
@@ -46,7 +55,6 @@ class LineGate:
     def enter(self, line: str) -> None:
         """A foreground transfer starts on `line`."""
         self._foreground[line] = self._foreground.get(line, 0) + 1
-        self._event(line).clear()
 
     def leave(self, line: str) -> None:
         """A foreground transfer has handed its last byte to the line (or ended)."""
@@ -55,16 +63,38 @@ class LineGate:
             self._foreground[line] = n
             return
         self._foreground.pop(line, None)
-        self._event(line).set()
+        self._notify()
 
-    async def turn(self, line: str) -> float:
-        """Wait until no foreground transfer is in progress on `line`; the seconds waited."""
-        ev = self._event(line)
-        if ev.is_set():
-            return 0.0
-        t0 = time.monotonic()
-        await ev.wait()
-        return time.monotonic() - t0
+    def _may_write(self, line: str, key: int) -> bool:
+        if self.busy(line) or line in self._holder:
+            return False
+        asking = self._asking[line]
+        return min(asking, key=asking.__getitem__) == key
+
+    async def turn(self, line: str, key: int, blocks_left: int) -> float:
+        """Wait for a background transfer's turn to write one slice; the seconds
+        waited. Call `release` after the slice."""
+        self._order += 1
+        asking = self._asking.setdefault(line, {})
+        asking[key] = (blocks_left, self._order)
+        t0, waited = time.monotonic(), False
+        granted = False
+        try:
+            while not self._may_write(line, key):
+                waited = True
+                await self._changed.wait()
+            granted = True
+        finally:
+            asking.pop(key, None)
+            if not granted:      # cancelled while asking: the next in line may go
+                self._notify()
+        self._holder[line] = key
+        return time.monotonic() - t0 if waited else 0.0
+
+    def release(self, line: str, key: int) -> None:
+        if self._holder.get(line) == key:
+            del self._holder[line]
+            self._notify()
 
 
 def limit_unsent(writer: asyncio.StreamWriter, nbytes: int = NOTSENT_LOWAT_BYTES) -> None:

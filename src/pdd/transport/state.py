@@ -44,6 +44,9 @@ class TransferStatus:
     # Sender, background transfers: time spent waiting for foreground ones on
     # the same line (`pdd.transport.priority`); not the line's speed.
     yielded_s: float = 0.0
+    # Sender, streamed transfers: time spent waiting for blocks (or the END's
+    # meta) that the producer had not computed yet; not the line's speed either.
+    waited_s: float = 0.0
     meta: dict = field(default_factory=dict)
 
     @property
