@@ -13,63 +13,24 @@ from hypothesis import strategies as st
 from pdd.policy import Pipeline, PipelineDecision, PolicyConfig, RelayBudgets
 from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.lifecycle_io import (
-    CancelTransfer, DecodeToken, DecodeTokens, Emit, FinishReason, KvReady, Leg, Note, Prefilled, ReleaseP,
-    TransferEnded,
+    CancelTransfer, DecodeToken, DecodeTokens, Emit, KvReady, Leg, Note, Prefilled, ReleaseP, TransferEnded,
 )
 from pdd.policy.lifecycle_log import decision_log, entry, notes_only, trace_log
 from pdd.policy.views import InstanceView, RequestFacts, Role
-from lifecycle_world import World, ref
-from test_policy_lifecycle_orders import DECISIONS, SETTINGS
-
-
-class BulkWorld(World):
-    """A decoder's step makes 1..`max_bulk` tokens at once (fewer at a pause
-    or at the end of the answer)."""
-    draw = staticmethod(lambda n: 1)
-
-    def step(self, act) -> None:
-        kind, leg = act
-        if kind != "token":
-            return super().step(act)
-        self.now += 0.01
-        s = self.streams[leg]
-        limit = self.num_out if s.pause_limit is None else min(self.num_out, s.pause_limit)
-        first = s.pos
-        s.pos = first + max(1, min(self.draw(4), limit - first))
-        self.fact(DecodeTokens(self.now, leg, first, tuple(ref(i) for i in range(first, s.pos)),
-                               self.rld_view()))
-
-
-def bulk_world(data, faults: int) -> BulkWorld:
-    name = data.draw(st.sampled_from(sorted(DECISIONS)), label="pipeline")
-    mode = data.draw(st.sampled_from(["auto", "one_shot", "catch_up"]), label="handoff")
-    max_tokens = data.draw(st.integers(1, 24), label="max_tokens")
-    num_out = data.draw(st.integers(1, 24), label="num_out")
-    cfg = PolicyConfig(handoff_mode=mode, catchup_threshold_tokens=2, catchup_final_max_tokens=1)
-    w = BulkWorld(DECISIONS[name], num_out, max_tokens, cfg)
-    w.draw = lambda n: data.draw(st.integers(1, n), label="bulk")
-    w.extra_after_pause = data.draw(st.integers(0, 3), label="tokens past a pause")
-    w.run(lambda n: data.draw(st.integers(0, n - 1)), faults=faults)
-    return w
+from lifecycle_world import ref
+from test_policy_lifecycle_orders import SETTINGS, check_with_faults, check_without_faults, world
 
 
 @SETTINGS
 @given(st.data())
 def test_bulk_tokens_stream_exactly_the_reference(data):
-    w = bulk_world(data, faults=0)
-    assert w.finish.reason in (FinishReason.STOP, FinishReason.LENGTH), w.finish
-    assert w.user == [ref(i) for i in range(w.num_out)]
-    assert not w.used_deadline
+    check_without_faults(world(data, faults=0, bulk=True))
 
 
 @SETTINGS
 @given(st.data())
 def test_bulk_tokens_with_faults_keep_a_prefix_and_end(data):
-    w = bulk_world(data, faults=data.draw(st.integers(1, 3), label="faults"))
-    assert w.finish is not None
-    assert w.user == [ref(i) for i in range(len(w.user))]
-    if w.finish.reason in (FinishReason.STOP, FinishReason.LENGTH):
-        assert len(w.user) == w.num_out
+    check_with_faults(world(data, faults=data.draw(st.integers(1, 3), label="faults"), bulk=True))
 
 
 def _relay(max_tokens: int = 20, est_wan_s: float = 5.0, filterable: bool = False):
