@@ -157,9 +157,11 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
     missing = req.missing_kv_bytes(md_matched.get(md_id, 0))
     est = cluster.wan.transfer_s(missing)
     # What the user would wait for after P's first token: the transfer less
-    # the part that streams while P computes.
+    # the part that streams while P computes. A relayed request's copy goes
+    # as background, behind the other copies too: when MD could take over.
     p_view, new_tokens = cluster.instance(p_id), max(n - cluster.matched(p_id), 0)
     wait = wait_after_prefill(est, new_tokens, p_view)
+    copy_wait = wait_after_prefill(cluster.wan.transfer_s(missing, background=True), new_tokens, p_view)
     filterable = bool(cluster.with_role(Role.RELAY)) and in_filter_class(req, cluster.matched(p_id), cfg)
 
     def direct(why: str) -> PipelineDecision:
@@ -170,11 +172,11 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
     # RLD-only is bounded by its own budget of requests only: by the class's
     # definition their outputs are tiny (at most 1/100 of the input), so a
     # token budget spent on relays must not send them on a long transfer.
-    if (filterable and rld is not None and predict_abnormal(req, wait, rld_tpot_s(rld, cfg), cfg)
+    if (filterable and rld is not None and predict_abnormal(req, copy_wait, rld_tpot_s(rld, cfg), cfg)
             and (budgets is None or budgets.requests.allows(1, 1))):
         return PipelineDecision(Pipeline.RELAY_ONLY, p_id, rld_id, md_id, False, missing, est,
-                                f"abnormal: {m} tokens end on RLD before the KV lands ({wait:.3f}s)",
-                                filterable, m, wait_s=wait)
+                                f"abnormal: {m} tokens end on RLD before the KV lands ({copy_wait:.3f}s)",
+                                filterable, m, wait_s=copy_wait)
     if wait <= cfg.direct_max_wan_s:
         return direct(f"wan {wait:.3f}s <= {cfg.direct_max_wan_s}s")
     if cluster.local is not None and cluster.local.usable and rld is not None:
@@ -186,12 +188,12 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
                           f"(wan {wait:.3f}s, local {local:.3f}s)")
     if rld is None:
         return direct("no relay-decode instance" if not cluster.with_role(Role.RELAY) else "relay pool full")
-    eager = min(m, math.ceil(wait / rld_tpot_s(rld, cfg)))
+    eager = min(m, math.ceil(copy_wait / rld_tpot_s(rld, cfg)))
     if budgets is not None and not budgets.tokens.allows(eager, m):
         return direct(f"relay budget: RLD would emit ~{eager} of {m} tokens past its "
                       f"{cfg.relay_max_token_share:.0%} share")
     return PipelineDecision(Pipeline.RELAY, p_id, rld_id, md_id, True, missing, est,
-                            f"wan {wait:.3f}s > {cfg.direct_max_wan_s}s", filterable, eager, wait_s=wait)
+                            f"wan {wait:.3f}s > {cfg.direct_max_wan_s}s", filterable, eager, wait_s=copy_wait)
 
 
 def note_decision(budgets: RelayBudgets, d: PipelineDecision, req: RequestFacts) -> None:

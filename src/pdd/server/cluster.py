@@ -37,6 +37,7 @@ class Member:
     in_flight: int = 0      # dispatched by this router and not yet finished
     answered_s: float = 0.0  # when it last answered a load poll (time.monotonic())
     index: CacheIndex | None = None   # its prefix cache as the router knows it (remote instances)
+    send_backlog: dict | None = None  # P: WAN bytes still to send, foreground / background (last poll)
 
 
 LOCAL_LINE_BITS_S = 4e9
@@ -64,7 +65,8 @@ class Cluster:
         # before the first measurement.
         self.local = LinkEstimator.from_line(LOCAL_LINE_BITS_S, LOCAL_LATENCY_S)
         self.prefix_reuses = PrefixReuseCounter()
-        self.relay_budgets = RelayBudgets(self.policy)
+        self.relay_budgets = RelayBudgets(self.policy, sum(
+            i.engine.max_num_seqs for i in spec.instances if i.role == Role.RELAY))
         self.wan_up = True
 
     def kv_address(self, target: str, from_instance: str) -> Address:
@@ -94,6 +96,7 @@ class Cluster:
                 self.wan.observe_rtt(now, now - t0)
             if m.index is not None and isinstance(s.get("kv"), dict):
                 m.index.apply(s["kv"], now)
+            m.send_backlog = (s.get("kv_send_backlog") or {}).get("wan", {})
             m.view = replace(m.view, num_running=int(s["num_running"]), num_waiting=int(s["num_waiting"]),
                              kv_free_blocks=int(s["kv_free_blocks"]), kv_total_blocks=int(s["kv_total_blocks"]),
                              step_time_s=s.get("decode_step_s"), prefill_tokens_s=s.get("prefill_tokens_s"))
@@ -157,5 +160,9 @@ class Cluster:
         est = self.wan.estimate(now)
         if not self.wan_up:
             est = replace(est, up=False)
+        # What P's senders still have to push over the WAN (as of the last poll).
+        backlogs = [m.send_backlog for m in self.members.values() if m.send_backlog]
+        est = replace(est, queued_bytes=float(sum(b.get("foreground", 0) for b in backlogs)),
+                      queued_background_bytes=float(sum(b.get("background", 0) for b in backlogs)))
         return ClusterView(tuple(self._view(m) for m in members), matched, est, now,
                            local=self.local.estimate(now))

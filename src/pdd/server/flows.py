@@ -146,7 +146,8 @@ def note_transfer(ctx: RequestContext, ev: dict, cluster: Cluster) -> None:
         ctx.trace.wan_bytes += int(ev.get("payload_bytes", 0))
     ctx.trace.event("kv_transfer", **{k: ev.get(k) for k in
                                       ("target", "link", "ok", "error", "payload_bytes", "blocks_sent",
-                                       "blocks_skipped", "elapsed_s")})
+                                       "blocks_skipped", "elapsed_s", "waited_s", "yielded_s",
+                                       "background")})
 
 
 async def colocated_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient) -> AsyncIterator[int]:

@@ -165,6 +165,8 @@ class InstanceServer:
         stats |= {"name": self.inst.name, "role": self.inst.role.value, "datacenter": self.inst.datacenter,
                   "max_num_seqs": self.engine.cfg.max_num_seqs,
                   "num_arrivals": len(self.arrivals), "num_jobs": len(self.jobs)}
+        if self.sender is not None:
+            stats["kv_send_backlog"] = self.sender.backlog()   # per line: bytes P still has to send
         since = request.query.get("kv_since")
         log = getattr(self.engine, "kv_events", None)
         if since is not None and log is not None:

@@ -172,7 +172,7 @@ class PrefillJob:
             list(manifest.block_hashes), get_block,
             deadline_s=float(target.get("deadline_s", self.server.spec.kv_deadline_s)),
             line=str(target.get("link", "local")), background=bool(target.get("background", False)),
-            finish=finish,
+            finish=finish, block_bytes=self.server.engine.layout.block_bytes,
         )
         self.transfers[name] = handle
         asyncio.get_running_loop().create_task(self._report(name, target.get("link", "local"), handle,

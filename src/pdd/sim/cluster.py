@@ -108,7 +108,8 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         self.md_link = self._link_name(p_dc, md_dc) if p_dc and md_dc else None
         self.p_link = f"rdma-{p_dc}" if p_dc else None      # P -> RLD
         self.prefix_reuses = PrefixReuseCounter()
-        self.relay_budgets = RelayBudgets(self.cfg)
+        self.relay_budgets = RelayBudgets(self.cfg, sum(
+            i.max_batch for i in self.instances.values() if i.role is Role.RELAY))
         # flow id -> (request, "rld" | "md", destination id, start time, bytes, link name)
         self.flows: dict[str, tuple[SimRequest, str, str, float, int, str]] = {}
         self.flow_steps: dict[str, int] = {}      # flow id -> receiver's step count at its start
@@ -246,6 +247,10 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         wan = self.estimators[self.md_link].estimate(now) if self.md_link else None
         if wan is not None and not self.links[self.md_link].up:
             wan = dataclasses.replace(wan, up=False)
+        if wan is not None:
+            # What P still has to push over the line, as its servers report it.
+            fg, bg = self.links[self.md_link].queued_bytes(now)
+            wan = dataclasses.replace(wan, queued_bytes=fg, queued_background_bytes=bg)
         local = self.estimators.get(self.p_link) if self.p_link else None
         view = ClusterView(tuple(i.view() for i in insts), matched, wan, now,
                            local=local.estimate(now) if local is not None else None)

@@ -104,6 +104,12 @@ class Link:
         self.flows[flow_id] = Flow(flow_id, float(num_bytes), float(num_bytes), now, background)
         return self._next()
 
+    def queued_bytes(self, now: float) -> tuple[float, float]:
+        """Bytes still to cross: (foreground, background)."""
+        self._advance(now)
+        fg = sum(f.remaining for f in self.flows.values() if not f.background)
+        return fg, sum(f.remaining for f in self.flows.values() if f.background)
+
     def promote(self, now: float, flow_id: str) -> tuple[float, int] | None:
         """A background flow becomes foreground (a foreground transfer waits on it)."""
         f = self.flows.get(flow_id)

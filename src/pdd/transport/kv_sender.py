@@ -63,6 +63,13 @@ class TransferHandle:
         self.task: asyncio.Task | None = None
         self.cancel_reason: str | None = None
         self.holds_line: str | None = None     # foreground on this line until its blocks are written
+        self.line: str | None = None
+        self.background = False
+        self.block_bytes = 0                   # a block's payload size, for the backlog (0: unknown)
+
+    def bytes_left(self) -> int:
+        st = self.status
+        return max(st.num_blocks - st.num_blocks_skipped - st.num_blocks_sent, 0) * self.block_bytes
 
     def poll(self) -> TransferStatus:
         return self.status.copy()
@@ -117,7 +124,7 @@ class KVSender:
     def send(self, host: str, port: int, request_id: str, meta: dict, block_hashes: list[bytes],
              get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S, *,
              line: str | None = None, background: bool = False,
-             finish: Callable[[], Awaitable[dict]] | None = None) -> TransferHandle:
+             finish: Callable[[], Awaitable[dict]] | None = None, block_bytes: int = 0) -> TransferHandle:
         """Starts the transfer as a task of the running loop and returns at once.
         `line` names the link it crosses; on it a `background` transfer yields to
         the others (`pdd.transport.priority`). No line: no priority.
@@ -126,6 +133,7 @@ class KVSender:
         (P's first token, known only once the prefill is over)."""
         status = TransferStatus(request_id, num_blocks=len(block_hashes), started_s=time.monotonic(), meta=dict(meta))
         handle = TransferHandle(status)
+        handle.line, handle.background, handle.block_bytes = line, background, block_bytes
         if not callable(get_block):
             blocks = get_block
             if len(blocks) != len(block_hashes):
@@ -137,6 +145,17 @@ class KVSender:
         self._active.add(handle)
         handle.task.add_done_callback(lambda _t: self._active.discard(handle))
         return handle
+
+    def backlog(self) -> dict[str, dict[str, int]]:
+        """Bytes still to send per line, foreground and background (from the
+        block sizes the callers gave), for the router's line estimate."""
+        out: dict[str, dict[str, int]] = {}
+        for h in list(self._active):
+            if h.line is None or h.done:
+                continue
+            per = out.setdefault(h.line, {"foreground": 0, "background": 0})
+            per["background" if h.background else "foreground"] += h.bytes_left()
+        return out
 
     async def close(self) -> None:
         """Cancels transfers in flight and drops pooled connections."""
