@@ -32,7 +32,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # 100 requests each, ~1 s: the paths below; "quick+cuts": the WAN cut for
 # 3 s every 20 s (copies fail, DIRECT fails over to RLD, routing sees it down).
-RUNS = ("quick", "validate", "quick+cuts")
+RUNS = ("full", "wan-bound", "quick+cuts")
 CUTS = [(t, t + 3.0) for t in (10.0, 30.0, 50.0, 70.0, 90.0, 110.0)]
 
 
