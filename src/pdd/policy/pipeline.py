@@ -231,16 +231,21 @@ def keep_wan_copy(d: PipelineDecision) -> bool:
     return d.start_wan and not d.filterable
 
 
-def copy_yields_line(d: PipelineDecision, warm: bool = False) -> bool:
+def copy_yields_line(d: PipelineDecision, warm: bool = False, cfg: PolicyConfig | None = None) -> bool:
     """Whether P's copy of the KV to MD yields the line to transfers a user
     waits on (router and simulator alike). It does when RLD serves the user
-    meanwhile (RELAY: the copy only readies MD for the handoff) or when it
-    only warms MD's cache; a DIRECT request's copy, or a resend after a lost
-    RLD, is what the user is waiting for. A warm turn's few blocks behind a
-    cold turn's 100 MB copy would otherwise take its share of the line for
-    the whole of that copy; the background copy loses only the warm turn's
-    fraction of a second."""
-    return warm or d.pipeline is Pipeline.RELAY
+    meanwhile (RELAY: the copy only readies MD for the handoff), when it only
+    warms MD's cache, and when even a direct request's copy is expected to
+    take seconds (past `direct_max_wan_s`: its user waits that long anyway,
+    and giving it the line first would hold back the copies that the next
+    turns of other conversations need on MD). What does not yield is a direct
+    request's copy that lands within a fraction of a second (a warm turn's
+    few new blocks), or a resend after a lost RLD. Yielding copies share what
+    is left of the line one at a time, fewest bytes left first."""
+    cfg = cfg or PolicyConfig()
+    if warm or d.pipeline is Pipeline.RELAY:
+        return True
+    return d.pipeline is Pipeline.DIRECT and d.wait_s > cfg.direct_max_wan_s
 
 
 def plan_warm(d: PipelineDecision, matched: Mapping[str, int], prefix_key: Callable[[int], Hashable],

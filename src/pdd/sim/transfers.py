@@ -56,9 +56,9 @@ class TransfersMixin:
             back = lambda t2: [self._later(link.rtt_s / 2, name, join)]
             siblings = self._siblings_bringing(flow_id, req, dst, blocks)
             promoted = []
-            if siblings and not background:
-                # A foreground transfer waits on them: background ones stop
-                # yielding (the servers' senders do the same).
+            if siblings:
+                # A transfer waits on them: they stop yielding (the servers'
+                # senders do the same for copies that bring its blocks).
                 for sib in siblings:
                     nxt = link.promote(t, sib) if sib in link.flows else None
                     if nxt:

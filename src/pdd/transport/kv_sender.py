@@ -115,11 +115,11 @@ class KVSender:
         self._handshakes: dict[tuple[str, int], asyncio.Semaphore] = {}
         self._active: set[TransferHandle] = set()
         self.gate = LineGate()
-        # Foreground transfers waiting for HAVE, per receiver: a receiver holds
-        # HAVE back while another transfer brings it the same blocks, so a
-        # background copy to that receiver must not yield meanwhile (priority
-        # inheritance: the foreground transfer is waiting on it).
-        self._awaiting_have: dict[tuple[str, int], int] = {}
+        # Transfers waiting for HAVE, per receiver, with their block hashes: a
+        # receiver holds HAVE back while another transfer brings it the same
+        # blocks, so a background copy that carries blocks a waiting transfer
+        # needs must not yield meanwhile (priority inheritance).
+        self._awaiting_have: dict[tuple[str, int], list[frozenset]] = {}
 
     def send(self, host: str, port: int, request_id: str, meta: dict, block_hashes: list[bytes],
              get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S, *,
@@ -223,19 +223,23 @@ class KVSender:
         else:
             stream.writer.close()  # graceful: nothing is left to flush after the END ack
 
-    async def _read_have(self, stream: FrameStream, dest: tuple[str, int], foreground: bool):
-        if not foreground:
-            return await stream.read_frame(None)
-        self._awaiting_have[dest] = self._awaiting_have.get(dest, 0) + 1
+    async def _read_have(self, stream: FrameStream, dest: tuple[str, int], hashes: list[bytes]):
+        waiting = self._awaiting_have.setdefault(dest, [])
+        mine = frozenset(hashes)
+        waiting.append(mine)
         try:
             return await stream.read_frame(None)
         finally:
-            self._awaiting_have[dest] -= 1
-            if not self._awaiting_have[dest]:
+            waiting.remove(mine)
+            if not waiting:
                 del self._awaiting_have[dest]
 
+    def _awaited(self, dest: tuple[str, int], last_hash: bytes) -> bool:
+        """A transfer to `dest` waits for HAVE and needs this copy's blocks."""
+        return any(last_hash in w for w in self._awaiting_have.get(dest, ()))
+
     async def _write_block(self, stream: FrameStream, frame: bytes, line: str | None, background: bool,
-                           status: TransferStatus, dest: tuple[str, int]) -> None:
+                           status: TransferStatus, dest: tuple[str, int], last_hash: bytes) -> None:
         """One BLOCK frame: whole, or (background) in slices, each after the
         foreground transfers on the line are through."""
         if line is None or not background:
@@ -246,7 +250,7 @@ class KVSender:
         key = id(status)
         left = status.num_blocks - status.num_blocks_skipped - status.num_blocks_sent + 1
         for off in range(0, len(frame), SLICE_BYTES):
-            held = not self._awaiting_have.get(dest)
+            held = not self._awaited(dest, last_hash)
             if held:
                 status.yielded_s += await self.gate.turn(line, key, left)
             try:
@@ -284,7 +288,7 @@ class KVSender:
                                                                self.max_frame_bytes))
                 status.state = TransferState.WAITING
                 begun = time.monotonic()
-                have = await self._read_have(stream, (host, port), line is not None and not background)
+                have = await self._read_have(stream, (host, port), hashes)
                 status.handshake_s = time.monotonic() - begun
                 if isinstance(have, Error):
                     raise _PeerError(f"receiver refused transfer: {have.message}")
@@ -319,7 +323,8 @@ class KVSender:
                         frame = encode_block(i, block_hash, wire_payload, self.max_frame_bytes)
                         status.num_blocks_sent += 1
                         status.payload_bytes += len(payload)
-                        await self._write_block(stream, frame, line, background, status, (host, port))
+                        await self._write_block(stream, frame, line, background, status, (host, port),
+                                                hashes[-1])
                     self._let_go(handle)
                     extra = None
                     if finish is not None and not answer.done():
