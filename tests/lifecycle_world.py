@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pdd.policy import InstanceView, PipelineDecision, PolicyConfig, RequestFacts, Role
 from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.lifecycle_io import (
-    Abort, CancelTransfer, ClientGone, CloseStream, DeadlinePassed, DecodeEnded, DecodeToken, Emit,
+    Abort, CancelTransfer, ClientGone, CloseStream, DeadlinePassed, DecodeEnded, DecodeToken, DecodeTokens, Emit,
+    EmitRun,
     EndReason, Extended, ExtendMd, Finish, KvReady, Leg, OpenDecode, PauseRld, PeerGone, Prefilled,
     PrefillEnded, ReleaseP, ResumeRld, StartPrefill, StartTransfer, TransferEnded,
 )
@@ -111,6 +112,9 @@ class World:
             elif isinstance(c, Emit):
                 assert c.index == len(self.user), (c, self.user)
                 self.user.append(c.token)
+            elif isinstance(c, EmitRun):
+                assert c.first_index == len(self.user), (c, self.user)
+                self.user.extend(c.tokens)
             elif isinstance(c, Finish):
                 assert self.finish is None
                 self.finish = c
@@ -118,6 +122,7 @@ class World:
                 pass
 
     extra_after_pause = 1
+    bulk = None      # n -> tokens in the next decode event (1..n): `DecodeTokens`; None: one `DecodeToken`
 
     def _extend(self, c: ExtendMd) -> None:
         s = self.streams.get(Leg.MD)
@@ -184,6 +189,13 @@ class World:
             self.fact(KvReady(t, self.rld_view()))
         elif kind == "extended":
             self.fact(Extended(t, self.streams[arg].extends.pop(0)))
+        elif kind == "token" and self.bulk is not None:
+            # A decode step of several tokens (the simulator's): fewer at a pause or the end.
+            s = self.streams[arg]
+            limit = self.num_out if s.pause_limit is None else min(self.num_out, s.pause_limit)
+            first = s.pos
+            s.pos = first + max(1, min(self.bulk(4), limit - first))
+            self.fact(DecodeTokens(t, arg, first, tuple(ref(i) for i in range(first, s.pos)), self.rld_view()))
         elif kind == "token":
             s = self.streams[arg]
             s.pos += 1

@@ -207,6 +207,21 @@ def test_direct_failover_to_rld_when_md_fails_before_a_token():
     assert out[-1] == Finish(Outcome.FAILOVER, FinishReason.LENGTH)
 
 
+def test_direct_copy_failing_before_p_prefilled_fails_over_once_p_has():
+    """P streams the KV with its prefill: the WAN copy may fail before P's
+    first token. RLD takes the request; P keeps the KV and sends it there
+    once it has computed it."""
+    lc, _ = started(DIRECT)
+    out = lc.handle(TransferEnded(0.3, "m0", False, "reset", healthy("r0", "m0")))
+    assert of(out, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False)] and lc.outcome is Outcome.FAILOVER
+    assert not of(out, StartTransfer) and not of(out, ReleaseP)
+    assert of(lc.handle(Prefilled(0.5, ref(0))), StartTransfer) == [StartTransfer("r0")]
+    assert lc.handle(TransferEnded(0.9, "r0", True)) == [ReleaseP("p0")]
+    out = rld_tokens(lc, 0, 20) + lc.handle(DecodeEnded(2.0, Leg.RLD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(20)]
+    assert out[-1] == Finish(Outcome.FAILOVER, FinishReason.LENGTH)
+
+
 def test_direct_md_failure_with_no_rld_is_a_clear_error():
     lc, _ = started(DIRECT)
     lc.handle(Prefilled(0.5, ref(0)))

@@ -22,7 +22,8 @@ DECISIONS = {
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def world(data, faults: int) -> World:
+def world(data, faults: int, bulk: bool = False) -> World:
+    """bulk: decoders emit 1-4 tokens per event (`DecodeTokens`, as the simulator's steps)."""
     name = data.draw(st.sampled_from(sorted(DECISIONS)), label="pipeline")
     mode = data.draw(st.sampled_from(["auto", "one_shot", "catch_up"]), label="handoff")
     max_tokens = data.draw(st.integers(1, 24), label="max_tokens")
@@ -31,6 +32,8 @@ def world(data, faults: int) -> World:
     cfg = PolicyConfig(handoff_mode=mode, catchup_threshold_tokens=2, catchup_final_max_tokens=1)
     w = World(DECISIONS[name], num_out, max_tokens, cfg, warm_blocks=warm)
     w.extra_after_pause = data.draw(st.integers(0, 3), label="tokens past a pause")
+    if bulk:
+        w.bulk = lambda n: data.draw(st.integers(1, n), label="bulk")
     w.run(lambda n: data.draw(st.integers(0, n - 1)), faults=faults)
     return w
 
@@ -38,7 +41,10 @@ def world(data, faults: int) -> World:
 @SETTINGS
 @given(st.data())
 def test_any_order_without_faults_streams_exactly_the_reference(data):
-    w = world(data, faults=0)
+    check_without_faults(world(data, faults=0))
+
+
+def check_without_faults(w: World) -> None:
     assert w.finish.reason in (FinishReason.STOP, FinishReason.LENGTH), w.finish
     assert w.user == [ref(i) for i in range(w.num_out)]
     assert not w.used_deadline
@@ -47,7 +53,10 @@ def test_any_order_without_faults_streams_exactly_the_reference(data):
 @SETTINGS
 @given(st.data())
 def test_any_order_with_faults_never_corrupts_the_stream_and_always_ends(data):
-    w = world(data, faults=data.draw(st.integers(1, 3), label="faults"))
+    check_with_faults(world(data, faults=data.draw(st.integers(1, 3), label="faults")))
+
+
+def check_with_faults(w: World) -> None:
     assert w.finish is not None
     assert w.user == [ref(i) for i in range(len(w.user))]       # a prefix: nothing duplicated or skipped
     if w.finish.reason in (FinishReason.STOP, FinishReason.LENGTH):

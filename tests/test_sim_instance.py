@@ -45,7 +45,8 @@ def decode_times(macro, interrupt_at=None):
     while (t := i.start_step(now)) is not None:
         if interrupt_at is not None and now < interrupt_at < t:
             t = i.interrupt(interrupt_at) or t
-        i.end_step(t)
+        for seq, times in i.end_step(t).tokens:      # the cluster's part: the user's tokens
+            seq.req.emit(times, seq.relay)
         now = t
     return [r.times for r in reqs], i
 

@@ -1,4 +1,6 @@
-"""The simulator and the real servers take the same policy decisions.
+"""The simulator and the real servers take the same policy decisions, and
+the same lifecycle commands in the same order (`pdd.policy.lifecycle_log`:
+the router's trace event "lifecycle" against the simulator's record).
 
 One short sequential workload on one PDD deployment file (tiny random model,
 real processes, emulated WAN), replayed through `pdd sim`'s runtime path:
@@ -53,7 +55,12 @@ def real_label(trace: dict) -> str:
     return trace["pipeline"]
 
 
-def run_real(dep, wl: Workload) -> dict[str, tuple[str, str | None]]:
+def lifecycle_log(events: list[dict]) -> tuple[str, ...]:
+    (log,) = [e["log"] for e in events if e["name"] == "lifecycle"]
+    return tuple(log)
+
+
+def run_real(dep, wl: Workload) -> dict[str, tuple[str, str | None, tuple[str, ...]]]:
     import openai
 
     client = openai.OpenAI(base_url=dep.router_url, api_key="x", max_retries=0, timeout=120)
@@ -65,7 +72,7 @@ def run_real(dep, wl: Workload) -> dict[str, tuple[str, str | None]]:
         assert resp.usage.completion_tokens == r.max_tokens
         with urllib.request.urlopen(f"{dep.router_url}/requests/{resp.id}/trace", timeout=30) as f:
             t = json.loads(f.read())
-        out[r.request_id] = (real_label(t), t.get("handoff_mode"))
+        out[r.request_id] = (real_label(t), t.get("handoff_mode"), lifecycle_log(t["events"]))
     return out
 
 
@@ -78,10 +85,18 @@ def test_sim_and_servers_decide_alike(tmp_path, tiny_model_dir):
     wl = workload()
 
     entry, records, _ = run_runtime_mode(RuntimeMode("pdd", str(path)), wl, Sla(10.0, 1.0))
-    sim = {r.request_id: (r.pipeline, r.handoff_mode) for r in records}
+    sim = {r.request_id: (r.pipeline, r.handoff_mode, lifecycle_log(r.events)) for r in records}
     assert entry["num_failed"] == 0
-    assert sim == {"r1": ("relay", "catch_up"), "r2": ("direct", None),
-                   "r3": ("relay_filtered", None), "r4": ("relay", "catch_up")}
+    assert {k: v[:2] for k, v in sim.items()} == {
+        "r1": ("relay", "catch_up"), "r2": ("direct", None), "r3": ("relay_filtered", None),
+        "r4": ("relay", "catch_up")}
+    assert sim["r1"][2] == sim["r4"][2] == (
+        "opendecode:rld", "opendecode:md", "start_prefill:kv+kv", "emit:rld", "note:kv_ready",
+        "note:md_ready:catch_up", "extend", "extend_final", "pause:rld", "note:handoff_complete",
+        "closestream:rld", "abort:rld", "emit:md", "finish:relay:length")
+    assert sim["r2"][2] == ("opendecode:md", "start_prefill:kv", "note:kv_ready", "emit:md",
+                            "finish:direct:length")
+    assert sim["r3"][2] == ("opendecode:rld", "start_prefill:kv", "emit:rld", "finish:relay_filtered:length")
 
     dep = Deployment.start(path, run_dir=tmp_path / "run", timeout_s=120)
     try:

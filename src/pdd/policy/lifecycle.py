@@ -14,7 +14,8 @@ RLD, release P, emit a token, finish). No clock, no I/O: the router's
       MD's token `stop_at` completes the handoff (RLD aborted)
     RLD ends first -> MD parked (`keep_wan_copy`: its copy still lands) or dropped
     MD / WAN fails before it owns the stream -> RLD resumes (held tokens emitted)
-    DIRECT fails before a token -> failover: P sends its KV to an RLD (`pick_spare`)
+    DIRECT fails before a token -> failover: P sends its KV to an RLD (`pick_spare`),
+      after its prefill when the copy failed before P's first token
     RLD gone -> `on_rld_lost`: MD takes over by a final extend of what the
       user has (P re-sends the KV first when MD had no copy), or fail
     the user's stream: every token index exactly once, in order (Emit)
@@ -30,9 +31,10 @@ from pdd.policy.config import PolicyConfig
 from pdd.policy.filter import RelayBudgets
 from pdd.policy.handoff import Complete, HandoffSession, SendBatch, new_session
 from pdd.policy.lifecycle_io import (
-    Abort, ClientGone, CloseStream, Command, DeadlinePassed, DecodeEnded, DecodeToken, Emit, EndReason,
-    Extended, ExtendMd, Fact, Finish, FinishReason, KvReady, Leg, Note, OpenDecode, Outcome, PauseRld,
-    PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, Transfer, TransferEnded, WanFailed,
+    Abort, ClientGone, CloseStream, Command, DeadlinePassed, DecodeEnded, DecodeToken, DecodeTokens, Emit,
+    EmitRun, EndReason, Extended, ExtendMd, Fact, Finish, FinishReason, KvReady, Leg, Note, OpenDecode,
+    Outcome, PauseRld, PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, StartTransfer, Transfer,
+    TransferEnded, WanFailed,
 )
 from pdd.policy.lifecycle_recovery import RecoveryRules, _Failed, pick_spare
 from pdd.policy.pipeline import (
@@ -81,6 +83,7 @@ class RequestLifecycle(RecoveryRules):
         self.rld_lost: str | None = None
         self.rld_end: EndReason | None = None      # RLD finished while paused for the final batch
         self.takeover_pending = False
+        self.failover_to: str | None = None        # RLD that gets P's KV once P has prefilled
         self.p_open = False
         self.p_released = False
         self.ended_on_rld = False
@@ -155,6 +158,8 @@ class RequestLifecycle(RecoveryRules):
                 raise _Failed(f"prefill failed: {f.error or 'stream closed'}")
         elif isinstance(f, DecodeToken):
             self._on_rld_token(f) if f.leg is Leg.RLD else self._on_md_token(f)
+        elif isinstance(f, DecodeTokens):
+            self._on_tokens(f)
         elif isinstance(f, KvReady):
             self._on_kv_ready(f)
         elif isinstance(f, Extended):
@@ -187,9 +192,15 @@ class RequestLifecycle(RecoveryRules):
         self.first_token = f.token
         self.wan_started_s = f.now
         self._try_takeover(f.now)
+        rld, self.failover_to = self.failover_to, None
         if self.done is None and (f.stop or self.req.max_tokens == 1):
             self._emit(f.token, Leg.P)
             self._finish(FinishReason.STOP if f.stop else FinishReason.LENGTH)
+            if rld is not None:                 # the answer is out: no copy for the failover
+                del self.transfers[rld]
+                self._maybe_release_p()
+        elif rld is not None:
+            self._out.append(StartTransfer(rld))
 
     def _on_transfer(self, f: TransferEnded) -> None:
         self.transfers[f.instance_id] = f.ok
@@ -214,7 +225,20 @@ class RequestLifecycle(RecoveryRules):
             self._out.append(ReleaseP(self.p_id))
 
     # --- RLD -------------------------------------------------------------------
-    def _on_rld_token(self, f: DecodeToken) -> None:
+    def _on_tokens(self, f: DecodeTokens) -> None:
+        """Each token as its own `DecodeToken`; the live filter once, after the last."""
+        if f.leg is Leg.MD and self.owner is Leg.MD and self.md_live and f.first_index == len(self.tokens):
+            self.tokens.extend(f.tokens)      # MD owns the stream: its tokens, in order, go out
+            self._out.append(EmitRun(f.tokens, Leg.MD, f.first_index))
+            return
+        last = len(f.tokens) - 1
+        for k, tok in enumerate(f.tokens):
+            if self.done is not None:
+                return
+            one = DecodeToken(f.now, f.leg, f.first_index + k, tok, f.rld)
+            self._on_rld_token(one, live_filter=k == last) if f.leg is Leg.RLD else self._on_md_token(one)
+
+    def _on_rld_token(self, f: DecodeToken, live_filter: bool = True) -> None:
         if self.owner is not Leg.RLD:
             return
         if self.stop_at is not None and f.index >= self.stop_at:
@@ -226,7 +250,8 @@ class RequestLifecycle(RecoveryRules):
         if self.md_ready_pending:
             self.md_ready_pending = False
             self._new_session(f.now)
-        self._maybe_cancel_wan(f.now)
+        if live_filter:
+            self._maybe_cancel_wan(f.now)
 
     def _on_rld_ended(self, now: float, reason: EndReason, error: str,
                       healthy: tuple[InstanceView, ...]) -> None:
@@ -256,12 +281,18 @@ class RequestLifecycle(RecoveryRules):
         self._finish(FinishReason(reason.value))
 
     def _maybe_cancel_wan(self, now: float) -> None:
-        """The live filter: RLD will finish before the WAN copy lands."""
+        """The live filter: RLD will finish before the WAN copy lands. A copy
+        that has landed (MD's `kv_ready` may still be on its way) is left be:
+        cancelling it would save no WAN bytes, only drop MD's request; so is
+        one whose request RLD has just answered in full (its end settles the
+        copy, `keep_wan_copy`)."""
         rld = self.rld_view
         if not self.md_live or self.session is not None or self.wan_started_s is None or rld is None:
             return
-        elapsed = now - self.wan_started_s
         left = self.req.max_tokens - len(self.tokens)
+        if self.transfers.get(self.md_id) is not None or left <= 0:
+            return
+        elapsed = now - self.wan_started_s
         if cancel_wan(self.d, self.budgets, now, elapsed, left, rld, self.cfg):
             if self.budgets is not None:
                 convert_to_relay_only(self.budgets)

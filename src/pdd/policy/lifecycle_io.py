@@ -97,6 +97,20 @@ class DecodeToken:
 
 
 @dataclass(frozen=True)
+class DecodeTokens:
+    """Several tokens of one stream seen at once: `tokens[k]` is index
+    `first_index + k`. The simulator's decode steps end at a step boundary
+    with one token for every request in the batch, or several for a macro
+    step; the live filter then runs once, after the last of them, as the
+    simulator's RLD reports its load once per step."""
+    now: float
+    leg: Leg
+    first_index: int
+    tokens: tuple[int, ...]
+    rld: InstanceView | None = None
+
+
+@dataclass(frozen=True)
 class KvReady:
     """MD holds the prompt KV (its stream's `kv_ready`)."""
     now: float
@@ -140,7 +154,7 @@ class DeadlinePassed:
     now: float
 
 
-Fact = (Prefilled | TransferEnded | PrefillEnded | DecodeToken | KvReady | Extended | DecodeEnded
+Fact = (Prefilled | TransferEnded | PrefillEnded | DecodeToken | DecodeTokens | KvReady | Extended | DecodeEnded
         | PeerGone | ClientGone | DeadlinePassed)
 
 
@@ -225,6 +239,16 @@ class Emit:
 
 
 @dataclass(frozen=True)
+class EmitRun:
+    """The user's tokens `first_index`, `first_index` + 1, ... from one source:
+    a `DecodeTokens` bulk of the stream's owner, in one command (the
+    simulator's steps emit millions of tokens)."""
+    tokens: tuple[int, ...]
+    source: Leg
+    first_index: int
+
+
+@dataclass(frozen=True)
 class Note:
     """A trace event (what the router's trace and a decision log record)."""
     event: str
@@ -240,4 +264,4 @@ class Finish:
 
 
 Command = (StartPrefill | OpenDecode | StartTransfer | CancelTransfer | ExtendMd | PauseRld | ResumeRld
-           | Abort | CloseStream | ReleaseP | WanFailed | Emit | Note | Finish)
+           | Abort | CloseStream | ReleaseP | WanFailed | Emit | EmitRun | Note | Finish)

@@ -112,9 +112,11 @@ class RecoveryRules:
                 self._finish(FinishReason(self.rld_end.value))
 
     def _failover(self, now: float, why: str, healthy: tuple[InstanceView, ...]) -> bool:
-        """DIRECT failed before any token: P sends its KV to an RLD instead."""
+        """DIRECT failed before any token: P sends its KV to an RLD instead
+        (once it has computed it: a copy that streams with the prefill can
+        fail before P's first token)."""
         rld = pick_spare(healthy, Role.RELAY, self.lost, self.req, now, self.cfg)
-        if rld is None or self.first_token is None:
+        if rld is None or (self.first_token is None and not self.p_open):
             return False
         self.md_live = False
         self._close(Leg.MD)
@@ -122,8 +124,11 @@ class RecoveryRules:
         self.outcome = Outcome.FAILOVER
         self._note("failover", reason=why, rld=rld)
         self._open(Leg.RLD, rld, hold=False)
-        self.transfers[rld] = None
-        self._out.append(StartTransfer(rld))
+        self.transfers[rld] = None          # P keeps the KV for it
+        if self.first_token is None:
+            self.failover_to = rld          # sent at `Prefilled`
+        else:
+            self._out.append(StartTransfer(rld))
         return True
 
     def _try_takeover(self, now: float) -> None:

@@ -10,6 +10,8 @@ the warm push, failover, RLD or MD lost. This module only moves bytes:
              tokens to the user, trace events
     Finish -> the flow ends (FlowError for an error); P stays open while a copy
       for MD's prefix cache still lands (`warming`).
+The commands, a word per decision (`policy.lifecycle_log`), end in the
+trace as one "lifecycle" event: the simulator's replay logs the same words.
 A stream the lifecycle watches (RLD with its KV, MD owning the stream or
 extending a batch) that says nothing for stream_stall_s, while its instance
 also leaves the router's load polls unanswered, becomes a `PeerGone` fact.
@@ -26,6 +28,7 @@ from pdd.deploy.spec import Role
 from pdd.policy import PipelineDecision, RequestFacts, choose_pipeline, note_decision, plan_warm, stalled
 from pdd.policy import lifecycle_io as io
 from pdd.policy.lifecycle import RequestLifecycle
+from pdd.policy.lifecycle_log import DecisionLog
 from pdd.server.cluster import Cluster, Member
 from pdd.server.flows import (
     FlowError, RequestContext, Streams, control, decode_body, note_prefill, note_transfer, prefill_body,
@@ -45,6 +48,7 @@ class PddRun:
         self.members: dict[io.Leg, Member] = {}      # the instance behind each open leg
         self.out: list[int] = []                     # tokens committed by the last fact, to yield
         self.background: set[asyncio.Task] = set()
+        self.log = DecisionLog()                     # the commands, for the trace ("lifecycle")
 
     def facts(self) -> RequestFacts:
         ctx = self.ctx
@@ -98,6 +102,7 @@ class PddRun:
             t.eager_tokens = t.rld_tokens
             t.handoff_batches = self.lc.handoff_batches
             t.pipeline = self.lc.outcome.value          # the filter may have cancelled, failover moved
+            t.event("lifecycle", log=list(self.log.words))    # what `pdd sim --validate` compares
             for leg in (io.Leg.RLD, io.Leg.MD):
                 if leg in self.members:
                     self.cluster.dispatched(self.members[leg].spec.name, -1)
@@ -187,6 +192,8 @@ class PddRun:
 
     # -- commands -> calls ---------------------------------------------------------
     async def apply(self, cmds: list) -> None:
+        for cmd in cmds:
+            self.log.add(cmd)
         i = 0
         while i < len(cmds):
             cmd, nxt = cmds[i], cmds[i + 1] if i + 1 < len(cmds) else None
@@ -202,6 +209,9 @@ class PddRun:
         ctx, c, rid = self.ctx, self.cluster, self.ctx.request_id
         if isinstance(cmd, io.Emit):
             self.emit(cmd.token, cmd.source.value)
+        elif isinstance(cmd, io.EmitRun):            # only for `DecodeTokens`, which we never send
+            for tok in cmd.tokens:
+                self.emit(tok, cmd.source.value)
         elif isinstance(cmd, io.Note):
             self.note(cmd)
         elif isinstance(cmd, io.OpenDecode):

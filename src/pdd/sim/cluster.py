@@ -30,8 +30,9 @@ where e (`ModeSpec.core_sharing`, calibrated, ~0.9 here) is what switching
 between processes leaves of the core.
 
 Arrival, routing, prefill and steps live here; KV flows in `transfers.py`
-(`TransfersMixin`) and the decoders' side (eager tokens, live filter, handoff)
-in `decoders.py` (`DecodersMixin`).
+(`TransfersMixin`); a PDD request's rules (eager tokens, live filter,
+handoff, P's release, its outcome) in `pdd.policy.RequestLifecycle`, which
+`lifecycle_driver.py` (`LifecycleDriverMixin`) drives and times.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ from pdd.policy import (
     ClusterView, LinkEstimator, NoRouteError, PrefixReuseCounter, RelayBudgets, RequestFacts,
     Role, choose_pipeline, note_decision, pick_instance, plan_warm,
 )
-from pdd.policy.lifecycle_io import Outcome
+from pdd.policy.lifecycle_io import Prefilled
 from pdd.sim.cost_model import CostModel
-from pdd.sim.decoders import DecodersMixin
 from pdd.sim.hardware import get_profile
 from pdd.sim.instance import Job, JobKind, Seq, SimInstance
+from pdd.sim.lifecycle_driver import LifecycleDriverMixin
 from pdd.sim.link import Link
 from pdd.sim.loop import Event, EventKind, EventLoop
 from pdd.sim.request import SimRequest
@@ -57,7 +58,7 @@ from pdd.sim.transfers import TransfersMixin
 DECODERS = (Role.MAIN, Role.DECODE)
 
 
-class Cluster(TransfersMixin, DecodersMixin):
+class Cluster(TransfersMixin, LifecycleDriverMixin):
     def __init__(self, mode: ModeSpec, scenario: Scenario, stream) -> None:
         self.mode, self.scenario, self.stream = mode, scenario, stream
         self.cfg = mode.policy
@@ -259,10 +260,8 @@ class Cluster(TransfersMixin, DecodersMixin):
         except NoRouteError as e:
             return self._finish(req, now, error=str(e))
         note_decision(self.relay_budgets, d, facts)
-        req.decision = d
-        req.pipeline = Outcome.of(d).value
         self._plan_warm(req, d, matched)
-        return self._start_prefill(req, self.instances[d.p_id], matched.get(d.p_id, 0), now)
+        return self._begin(req, d, matched.get(d.p_id, 0), now)
 
     def _plan_warm(self, req: SimRequest, d, matched: dict[str, int]) -> None:
         """As the router: count the shared prefix; a filtered request may warm MD with it."""
@@ -307,11 +306,8 @@ class Cluster(TransfersMixin, DecodersMixin):
             for job in out.jobs_done:
                 evs += (self._on_prefill_done(inst, job, now) if job.kind is JobKind.PREFILL
                         else self._on_extend_done(inst, job, now))
-            for seq in out.seqs_ended:
-                evs += self._on_seq_ended(inst, seq, now)
-            if inst.role is Role.RELAY:
-                for seq in list(inst.decoding):
-                    evs += self._maybe_cancel(seq.req, inst, now)
+            for seq, times in out.tokens:
+                evs += self._on_tokens(inst, seq, times, now)
         finally:
             inst.at_boundary = False
         return evs + self._kick(inst, now)
@@ -336,43 +332,33 @@ class Cluster(TransfersMixin, DecodersMixin):
                 return self._finish(req, now, cache_on=p)
             p.add_seq(Seq(req, s.prompt_tokens + 1, job.num_blocks, relay=False, shared=job.shared))
             return []
-        d = req.decision
-        req.prefill_done_s = now
         req.p_blocks, req.p_shared = job.num_blocks, job.shared
+        req.prefill_done_s = now
+        s = req.spec
+        evs = self._feed(req, Prefilled(now, 0, stop=s.output_tokens <= 1 < s.max_tokens))
         if req.streamed:
-            evs = self._transfer(req, "warm", p, self.instances[d.md_id], now,
-                                 blocks=req.warm_blocks) if req.warm_blocks else []
+            # The copies left with the prefill (`_on_prefill_started`); a warm
+            # push of MD's cache goes now.
+            evs += [e for t in req.targets if t.warm_blocks for e in self._send(req, t, now)]
             return evs + self._tails_after_prefill(req, job, now)
 
         def send(t: float) -> list[Event]:
-            evs: list[Event] = []
             # Only what the receiver lacks at its HAVE answer travels.
-            if d.rld_id is not None:
-                evs += self._transfer(req, "rld", p, self.instances[d.rld_id], t)
-            if d.start_wan:
-                evs += self._transfer(req, "md", p, self.instances[d.md_id], t)
-            if req.warm_blocks:
-                evs += self._transfer(req, "warm", p, self.instances[d.md_id], t,
-                                      blocks=req.warm_blocks)
-            return evs
+            return [e for target in req.targets for e in self._send(req, target, t)]
         if self.manifest_wait:
             p.wait_boundaries(1, send)     # the KV manifest is read after P's next step
-            return []
-        return send(now)
+            return evs
+        return evs + send(now)
 
 
     def _on_prefill_started(self, p: SimInstance, job: Job, now: float) -> list[Event]:
-        """P starts on the prompt: its transfers start streaming."""
-        req, d = job.req, job.req.decision
-        if p.role is not Role.PREFILL or d is None or req.streamed:
+        """P starts on the prompt: its copies (StartPrefill's targets but a
+        warm push) start streaming."""
+        req = job.req
+        if p.role is not Role.PREFILL or req.lc is None or req.streamed:
             return []
         req.streamed = True
-        evs: list[Event] = []
-        if d.rld_id is not None:
-            evs += self._transfer(req, "rld", p, self.instances[d.rld_id], now)
-        if d.start_wan:
-            evs += self._transfer(req, "md", p, self.instances[d.md_id], now)
-        return evs
+        return [e for t in req.targets if not t.warm_blocks for e in self._send(req, t, now)]
 
 
 def _bytes(gbps: float | None) -> float | None:

@@ -57,7 +57,7 @@ class Seq:
     """A request's decoding presence on an instance."""
 
     __slots__ = ("req", "context", "stop_at", "decoding", "num_blocks", "relay", "shared", "removed",
-                 "first")
+                 "first", "next_index")
 
     def __init__(self, req: SimRequest, context: int, num_blocks: int, relay: bool,
                  decoding: bool = True, shared: list[int] | None = None) -> None:
@@ -71,17 +71,27 @@ class Seq:
         # block + P's first token when only whole blocks crossed
         # (`DecodersMixin._first_step_tokens`).
         self.first = 1
+        # The output index of the token its next step makes (RLD and MD each
+        # count their own: after a handoff MD continues at stop_at).
+        self.next_index = req.num_generated
+
+    @property
+    def finished(self) -> bool:
+        return self.next_index >= self.req.spec.output_tokens
 
     def tokens_left(self) -> int:
         limit = self.req.spec.output_tokens
         if self.stop_at is not None and self.stop_at < limit:
             limit = self.stop_at
-        return limit - self.req.num_generated
+        return limit - self.next_index
 
 
 @dataclass
 class StepOutcome:
     jobs_done: list[Job] = field(default_factory=list)
+    # Each decoding sequence of the step and its tokens' times (a macro step:
+    # several), for the cluster to hand to the request's driver.
+    tokens: list[tuple[Seq, list[float]]] = field(default_factory=list)
     # Finished (removed, KV freed) or reached stop_at (parked, KV kept).
     seqs_ended: list[Seq] = field(default_factory=list)
 
@@ -387,13 +397,14 @@ class SimInstance:
                 self.step_time_s = per if self.step_time_s is None else (
                     self.step_time_s + 0.2 * (per - self.step_time_s))
             for seq in self._batch:
-                seq.req.emit(times, seq.relay, self.deliver_s)
+                out.tokens.append((seq, times))
+                seq.next_index += k
                 seq.context += k
                 seq.first = 1
                 if seq.tokens_left() <= 0:
                     out.seqs_ended.append(seq)
             for seq in out.seqs_ended:
-                if seq.req.finished:
+                if seq.finished:
                     self.remove_seq(seq)       # the request is over: free its KV
                 else:
                     self.stop_decoding(seq)    # reached stop_at: resident until released

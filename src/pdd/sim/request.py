@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdd.bench.records import RequestRecord
+from pdd.policy.lifecycle_log import DecisionLog
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,15 @@ class SimRequestRecord(RequestRecord):
 
 
 class SimRequest:
+    """What the user sees of a request (tokens and their times) and what the
+    simulated data plane holds for it. A PDD request's rules live in its
+    `RequestLifecycle` (`lc`), driven by `pdd.sim.lifecycle_driver`."""
+
     __slots__ = ("spec", "stride", "num_generated", "times", "indices", "cached_tokens",
                  "rld_tokens", "last_rld_token_s", "first_md_token_s", "wan_bytes",
                  "uncached_kv_bytes", "pipeline", "handoff_mode", "done_s", "failed",
-                 "error", "decision", "session", "p_id", "rld_seq", "md_seq", "wan_flow",
-                 "p_blocks", "p_shared", "warm_blocks", "pending_transfers", "ended_on_rld", "last_delay_s",
-                 "prefill_done_s", "md_ready_pending", "streamed")
+                 "error", "p_id", "lc", "targets", "legs", "seqs", "md_context",
+                 "p_blocks", "p_shared", "warm_blocks", "last_delay_s", "log", "prefill_done_s", "streamed")
 
     def __init__(self, spec: RequestSpec, stride: int = 1) -> None:
         self.spec = spec
@@ -71,20 +75,18 @@ class SimRequest:
         self.done_s: float | None = None
         self.failed = False
         self.error: str | None = None
-        self.decision = None
-        self.session = None
         self.p_id: str | None = None
-        self.rld_seq = None
-        self.md_seq = None
-        self.wan_flow: str | None = None
+        self.lc = None                 # its RequestLifecycle (None: colocated)
+        self.targets = ()              # StartPrefill's transfers, sent once P has prefilled
+        self.legs: dict = {}           # Leg -> (instance id, hold) of each open decode
+        self.seqs: dict = {}           # Leg -> Seq on that instance, once its KV landed
+        self.md_context = 0            # output tokens MD holds the KV of (extends so far)
         self.p_blocks = 0
         self.p_shared: list[int] = []
         self.warm_blocks = 0          # shared prefix blocks pushed to MD's cache (filtered request)
-        self.pending_transfers = 0
-        self.ended_on_rld = False
         self.last_delay_s = 0.0
+        self.log = DecisionLog()       # the lifecycle's commands, a word per decision
         self.prefill_done_s: float | None = None   # when P finished the prompt
-        self.md_ready_pending = None      # MD ready before RLD's first token: run on it
         self.streamed = False             # its KV left P while the prefill ran (streamed transfers)
 
     @property
@@ -138,4 +140,5 @@ class SimRequest:
             uncached_kv_bytes=self.uncached_kv_bytes, rld_tokens=self.rld_tokens,
             handoff_gap_s=gap, pipeline=self.pipeline, handoff_mode=self.handoff_mode,
             token_stride=self.stride, token_indices=self.indices,
+            events=[{"name": "lifecycle", "log": list(self.log.words)}] if self.lc is not None else [],
         )

@@ -12,12 +12,14 @@ sent again. When it lands the receiver holds the whole KV (with
 boundary, as a busy server imported blocks between steps before the pool
 lock), the link's estimator is fed the transfer as the router's is fed the
 real ones, and P frees the prompt's blocks once every transfer out of it
-has ended.
+has ended (the lifecycle's `ReleaseP`). A cancelled copy ends as the real
+P reports it: a failed transfer.
 """
 
 from __future__ import annotations
 
-from pdd.policy import copy_yields_line, wait_for_siblings
+from pdd.policy import Role, wait_for_siblings
+from pdd.policy.lifecycle_io import TransferEnded
 from pdd.sim.instance import SimInstance
 from pdd.sim.loop import Event, EventKind
 from pdd.sim.request import SimRequest
@@ -25,18 +27,18 @@ from pdd.sim.request import SimRequest
 
 class TransfersMixin:
     def _transfer(self, req: SimRequest, kind: str, src: SimInstance, dst: SimInstance,
-                  now: float, blocks: int | None = None) -> list[Event]:
+                  now: float, blocks: int | None = None, background: bool = False) -> list[Event]:
         """Send the KV of the prompt's first `blocks` blocks (all by default)
-        less what `dst` holds when it answers HAVE."""
+        less what `dst` holds when it answers HAVE; a `background` copy (the
+        lifecycle's `Transfer.background`) yields the line."""
         name = self._link_name(src.datacenter, dst.datacenter)
         link = self.links[name]
-        flow_id = f"{req.spec.request_id}/{kind}"
+        if not link.up:         # the connection attempt fails after a round trip
+            return [self._later(link.rtt_s, name, lambda t: self._copy_failed(req, dst.instance_id, t, f"{name} down"))]
+        flow_id = f"{req.spec.request_id}/{kind}/{dst.instance_id}"
         # Its size is known at HAVE time (set in `join`).
         self.flows[flow_id] = (req, kind, dst.instance_id, now, None, name)
         self.flow_steps[flow_id] = dst.num_steps
-        req.pending_transfers += 1
-        if kind == "md":
-            req.wan_flow = flow_id
 
         def join(t: float) -> list[Event]:
             if flow_id not in self.flows:
@@ -45,7 +47,6 @@ class TransfersMixin:
             nb = self._lacking_bytes(req, dst, blocks)     # the receiver's HAVE, as of now
             entry = self.flows[flow_id]
             self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
-            background = kind in ("md", "warm") and copy_yields_line(req.decision, kind == "warm", self.cfg)
             nxt = link.add(t, flow_id, nb, background)
             return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
 
@@ -139,6 +140,8 @@ class TransfersMixin:
         last chunk's blocks have crossed."""
         evs: list[Event] = []
         for flow, name in self.after_prefill.pop(req.spec.request_id, []):
+            if flow.flow_id not in self.flows:
+                continue        # cancelled or cut meanwhile
             link = self.links[name]
             tail = min(flow.num_bytes, job.last_chunk * self.model.kv_bytes_per_token)
             delay = tail / link.bandwidth_bytes_s + link.rtt_s / 2
@@ -149,6 +152,8 @@ class TransfersMixin:
     def _arrive(self, flow, link_name: str, now: float) -> list[Event]:
         """A transfer's last byte is at its receiver."""
         evs: list[Event] = []
+        if flow.flow_id not in self.flows:
+            return evs          # cancelled or cut while its tail was on its way
         dst = self.instances[self.flows[flow.flow_id][2]]
         landed = self._landed(flow.flow_id, link_name)
         started = self.flow_steps.get(flow.flow_id, dst.num_steps)
@@ -180,34 +185,66 @@ class TransfersMixin:
                                                         self.flow_handshake.pop(flow_id, 0.0))
             if link_name == "wan":
                 req.wan_bytes += num_bytes
-            evs = self._release_p(req, now)
             dst = self.instances[dst_id]
-            evs += self._flow_ended(flow_id, now)      # siblings waiting on it ask HAVE once the
+            evs = self._flow_ended(flow_id, now)       # siblings waiting on it ask HAVE once the
                                                        # landing below has filled the cache
             if kind == "warm":          # a shared prefix for MD's cache, nothing waits on it
                 if dst.cache is not None:
                     dst.cache.insert(req.spec.block_ids[: req.warm_blocks])
-                return evs
-            return evs + (self._rld_kv_ready(req, dst, now) if kind == "rld"
-                          else self._md_kv_ready(req, dst, now))
+                return evs + self._feed(req, TransferEnded(now, dst_id, True))
+            return evs + self._kv_landed(req, dst, now)
         return fn
 
-    def _cancel(self, req: SimRequest, now: float) -> list[Event]:
-        fid = req.wan_flow
-        if fid is None or fid not in self.flows:
+    def _cancel_to(self, req: SimRequest, dst_id: str, now: float) -> list[Event]:
+        """Cancel the KV copy to `dst_id`; P reports it failed (a fact, as the
+        real P's transfer event) once the cancel has taken."""
+        fid = f"{req.spec.request_id}/{'rld' if self.instances[dst_id].role is Role.RELAY else 'md'}/{dst_id}"
+        evs: list[Event] = []
+        if fid in self.flows:
+            name = self.flows.pop(fid)[5]
+            self.flow_handshake.pop(fid, None)
+            self.flow_steps.pop(fid, None)
+            nxt = self.links[name].cancel(now, fid)
+            evs += [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
+            evs += self._flow_ended(fid, now)
+        ended = lambda t: self._feed(req, TransferEnded(t, dst_id, False, "cancelled"))
+        return evs + [self._later(0.0, req.spec.request_id, ended)]
+
+    def cut_link(self, name: str, at_s: float, restore_s: float) -> None:
+        """Cut link `name` ("wan", "rdma-<dc>") from `at_s` to `restore_s`:
+        every copy on it fails as P reports it (a failed transfer, with the
+        live decoders for the lifecycle's failover), copies started meanwhile
+        fail after one RTT, and routing sees the line down. Only KV copies
+        are modelled: the router's streams to MD stay up."""
+        def cut(now: float) -> list[Event]:
+            link = self.links[name]
+            link.up = False
+            evs: list[Event] = []
+            for fid in [f for f, entry in self.flows.items() if entry[5] == name]:
+                req, _, dst_id = self.flows.pop(fid)[:3]
+                for table in (self.flow_handshake, self.flow_steps, self.flow_yielded):
+                    table.pop(fid, None)
+                nxt = link.cancel(now, fid)
+                evs += [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
+                evs += self._flow_ended(fid, now)
+                evs += self._copy_failed(req, dst_id, now, f"{name} cut")
+            return evs
+
+        def restore(now: float) -> list[Event]:
+            self.links[name].up = True
             return []
-        name = self.flows.pop(fid)[5]
-        self.flow_handshake.pop(fid, None)
-        nxt = self.links[name].cancel(now, fid)
-        evs = [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
-        return evs + self._release_p(req, now) + self._flow_ended(fid, now)
+        self.loop.push(Event(at_s, EventKind.MESSAGE, name, cut))
+        self.loop.push(Event(restore_s, EventKind.MESSAGE, name, restore))
+
+    def _copy_failed(self, req: SimRequest, dst_id: str, now: float, error: str) -> list[Event]:
+        healthy = tuple(i.view() for i in self.instances.values() if i.role in (Role.RELAY, Role.MAIN))
+        return self._feed(req, TransferEnded(now, dst_id, False, error, healthy))
 
     def _release_p(self, req: SimRequest, now: float) -> list[Event]:
-        req.pending_transfers -= 1
-        if req.pending_transfers:
-            return []
+        """P frees the prompt's KV (the lifecycle's `ReleaseP`, or its stream
+        closed by a failed request's end); once."""
         p = self.instances[req.p_id]
         p.release(req.p_blocks)
         p.unshare(req.p_shared)
-        req.p_shared = []
+        req.p_blocks, req.p_shared = 0, []
         return self._kick(p, now)

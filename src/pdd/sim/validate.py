@@ -27,7 +27,9 @@ draws of them.
 
 `decisions` compares, request by request, the pipeline the real router chose
 (records.jsonl) with the simulator's: how many agree, and the pairs that
-differ ("relay -> direct": real relay, simulated direct).
+differ ("relay -> direct": real relay, simulated direct). `lifecycle` goes
+further: per PDD request, the outcome and the lifecycle's decisions in order
+(`pdd.policy.lifecycle_log`: the router's logged commands, or its notes).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pdd.bench.metrics import Sla, distribution
 from pdd.bench.records import RequestRecord
 from pdd.bench.runner import load_workload, read_records
 from pdd.deploy.spec import load_spec
+from pdd.policy.lifecycle_log import notes_only, trace_log
 from pdd.sim.calibration import CpuCalibration, fit
 from pdd.sim.deployment import RuntimeOptions, model_shape
 from pdd.sim.runner import _finite
@@ -116,6 +119,7 @@ def validate(run: Path, calibration: CpuCalibration | None = None,
                           "sim": _samples([r for _, recs, _ in runs for r in recs])}
         # Decisions of the first seed's replay, request by request.
         row["decisions"] = compare_decisions(real_records, records)
+        row["lifecycle"] = compare_lifecycles(real_records, records)
         out["modes"][m.name] = row
     (run / "validation.json").write_text(json.dumps(_finite(out), indent=2) + "\n")
     return out
@@ -149,6 +153,33 @@ def compare_decisions(real_records: list[RequestRecord], sim_records: list) -> d
     return {"compared": n, "agree": agree, "differ": differ} if n else None
 
 
+def _log_of(record: RequestRecord) -> tuple[str, ...] | None:
+    """The router's (or the simulator's) "lifecycle" event: its command words."""
+    return next((tuple(e["log"]) for e in record.events if e.get("name") == "lifecycle"), None)
+
+
+def compare_lifecycles(real_records: list[RequestRecord], sim_records: list) -> dict | None:
+    """Per PDD request, the outcome and the lifecycle's decisions in order
+    (`policy.lifecycle_log`): the command words where the run logged them,
+    else the lifecycle's notes in its trace (runs recorded before the log)."""
+    real = {r.request_id: r for r in real_records if r.pipeline is not None}
+    agree, n, basis, differ = 0, 0, set(), []
+    for r in sim_records:
+        want, got = real.get(r.request_id), _log_of(r)
+        if want is None or got is None:
+            continue
+        full = _log_of(want)
+        basis.add("commands" if full is not None else "notes")
+        want_log = (want.pipeline,) + (full if full is not None else trace_log(want.events))
+        got_log = (r.pipeline,) + (got if full is not None else notes_only(got))
+        n += 1
+        if want_log == got_log or (want_log[0], got_log[0]) in _LEGACY and want_log[1:] == got_log[1:]:
+            agree += 1
+        elif len(differ) < 5:
+            differ.append({"request_id": r.request_id, "real": list(want_log), "sim": list(got_log)})
+    return {"compared": n, "agree": agree, "basis": sorted(basis), "differ": differ} if n else None
+
+
 def print_table(v: dict) -> None:
     w = 32
     print(f"{'mode':<12}" + "".join(f"{m:>{w}}" for m in METRICS))
@@ -171,6 +202,10 @@ def print_table(v: dict) -> None:
         if d:
             print(f"{name}: pipeline decisions agree on {d['agree']}/{d['compared']} requests"
                   + (f" (real -> sim: {d['differ']})" if d["differ"] else ""))
+        lc = row.get("lifecycle")
+        if lc:
+            print(f"{name}: lifecycle decisions ({'+'.join(lc['basis'])}) agree on "
+                  f"{lc['agree']}/{lc['compared']} requests")
 
 
 def summarize(runs: list[dict]) -> dict:

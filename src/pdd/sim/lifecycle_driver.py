@@ -1,0 +1,289 @@
+"""The simulator's driver of `pdd.policy.RequestLifecycle`: one PDD request's
+rules (eager tokens, handoff batches, the live filter and WAN cancel, the
+warm push, failover, P's release, the outcome) come from the same object
+the router's `PddRun` drives; this module only times them.
+
+    simulated event (KV landed, a step's tokens, MD ready at RLD's step
+      boundary, an extend done) -> a fact with `now` -> commands
+    commands -> simulated work: a transfer on a link, a sequence on a
+      decoder, an extend job after one-way latency, a pause, an abort,
+      the user's token at its time, the request's end
+
+A mixin of `pdd.sim.cluster.Cluster`. As in the servers, messages between
+RLD and MD (MD ready, a batch of token ids, an extend done) take one-way
+link latency and run on the receiving engine at a step boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdd.policy import lifecycle_io as io
+from pdd.policy.lifecycle import RequestLifecycle
+from pdd.policy.views import Role
+from pdd.sim.instance import Job, JobKind, Seq, SimInstance
+from pdd.sim.loop import Event
+from pdd.sim.request import SimRequest
+
+_KIND = {Role.RELAY: "rld"}          # a transfer's kind by its receiver's role ("md" otherwise)
+
+
+@dataclass(frozen=True)
+class ExtendBatch:
+    """An extend job's data: MD holds `end` output tokens once it ran."""
+    final: bool
+    end: int
+
+
+class LifecycleDriverMixin:
+    # --- facts in ------------------------------------------------------------
+    def _begin(self, req: SimRequest, d, matched: int, now: float) -> list[Event]:
+        req.lc = RequestLifecycle(self._facts(req), d, self.cfg, self.relay_budgets, req.warm_blocks)
+        req.pipeline = req.lc.outcome.value
+        return self._carry(req, req.lc.start(now), now, matched=matched)
+
+    def _feed(self, req: SimRequest, fact, times: list[float] = (), first: int = 0) -> list[Event]:
+        """`times[k]`: when token `first + k` was made (a step's tokens); other
+        tokens the fact releases were made at `fact.now`."""
+        return self._carry(req, req.lc.handle(fact), fact.now, times, first)
+
+    def _on_tokens(self, inst: SimInstance, seq: Seq, times: list[float], now: float) -> list[Event]:
+        """A step's tokens for `seq`: one fact for all of them, then the
+        stream's end when it made the last one."""
+        req = seq.req
+        if req.lc is None:                   # colocated: no lifecycle
+            req.emit(times, relay=False, delay_s=inst.deliver_s)
+            return self._finish(req, now, cache_on=inst) if req.finished else []
+        leg = io.Leg.RLD if seq.relay else io.Leg.MD
+        if req.seqs.get(leg, (None, None))[1] is not seq:
+            return []                        # closed meanwhile: the instance dropped them
+        first = seq.next_index - len(times)
+        fact = io.DecodeTokens(now, leg, first, tuple(range(first, seq.next_index)),
+                               inst.view() if seq.relay else None)
+        evs = self._feed(req, fact, times, first)
+        if seq.finished:
+            evs += self._stream_ended(req, leg, now)
+        return evs
+
+    def _stream_ended(self, req: SimRequest, leg: io.Leg, now: float) -> list[Event]:
+        s = req.spec
+        reason = io.EndReason.LENGTH if s.output_tokens >= s.max_tokens else io.EndReason.STOP
+        return self._feed(req, io.DecodeEnded(now, leg, reason))
+
+    def _kv_landed(self, req: SimRequest, dst: SimInstance, now: float) -> list[Event]:
+        """A transfer to a decoder landed: P hears of it, and the decoder's
+        stream (if still open there) starts: token 0 (P's, sent with the KV)
+        at once, unless MD holds it back for the handoff's extends."""
+        s = req.spec
+        if dst.cache is not None:
+            dst.cache.insert(s.block_ids)    # DRC keeps the prefix, whatever happens next
+        evs = self._feed(req, io.TransferEnded(now, dst.instance_id, True))
+        leg = io.Leg.RLD if dst.role is Role.RELAY else io.Leg.MD
+        if req.lc.done is not None or req.legs.get(leg, (None,))[0] != dst.instance_id:
+            return evs
+        hold = req.legs[leg][1]
+        seq = None
+        if hold or s.output_tokens > 1:          # a one-token answer needs no decode step
+            shared = dst.pin_prefix(s.block_ids)      # imported blocks, pinned for the request
+            blocks = dst.blocks_for(s.prompt_tokens + s.max_tokens) - len(shared)
+            if hold:
+                seq = Seq(req, s.prompt_tokens, blocks, relay=False, decoding=False, shared=shared)
+                seq.next_index = 0
+            else:
+                seq = Seq(req, s.prompt_tokens + 1, blocks, relay=leg is io.Leg.RLD, shared=shared)
+                seq.next_index = 1
+                seq.first = self._first_step_tokens(s.prompt_tokens)
+            # Registered before token 0 goes out: the handoff may pause it at once.
+            req.seqs[leg] = (dst.instance_id, seq)
+        if not hold:
+            evs += self._feed(req, io.KvReady(now)) if leg is io.Leg.MD else []
+            evs += self._feed(req, io.DecodeTokens(now, leg, 0, (0,), dst.view() if leg is io.Leg.RLD else None))
+            if seq is None:
+                return evs + self._stream_ended(req, leg, now)
+        if req.seqs.get(leg, (None, None))[1] is not seq:
+            return evs                         # closed by what token 0 decided (KV unpinned)
+        return evs + self._submit(dst, seq, now)
+
+    def _md_ready(self, md: SimInstance, seq: Seq, now: float) -> list[Event]:
+        """MD admitted a held request: RLD hears of it (one way), at a step boundary."""
+        req = seq.req
+        rld = self.instances[req.lc.rld_id] if req.lc.rld_id else md
+
+        def at_rld(t: float) -> list[Event]:
+            if seq.removed:
+                return []
+            return self._feed(req, io.KvReady(t, rld.view()))
+        return [self._later(self._one_way(md, rld), rld.instance_id, lambda t: self._deliver(rld, t, at_rld))]
+
+    def _on_extend_done(self, md: SimInstance, job: Job, now: float) -> list[Event]:
+        req, batch = job.req, job.data
+        if req.lc.done is not None or io.Leg.MD not in req.seqs:
+            return []
+        seq = req.seqs[io.Leg.MD][1]
+        seq.context += job.num_tokens
+        if batch.final:
+            seq.next_index = batch.end
+            if seq.finished:
+                return self._stream_ended(req, io.Leg.MD, now)
+            md.start_decoding(seq)
+            return self._kick(md, now) if job.num_tokens == 0 else []
+        rld = self.instances[req.lc.rld_id] if req.lc.rld_id else md
+        at_rld = lambda t: self._feed(req, io.Extended(t, batch.end))
+        return [self._later(self._one_way(md, rld), rld.instance_id, lambda t: self._deliver(rld, t, at_rld))]
+
+    def _first_step_tokens(self, prompt_tokens: int) -> int:
+        """What a decoder's first step computes for a request whose KV it
+        received: our servers send whole blocks only, so the prompt's
+        partial last block is recomputed with P's first token (runtime
+        deployment files; 1, a plain decode token, elsewhere)."""
+        if self.mode.serving is None:
+            return 1
+        return prompt_tokens % self.block_size + 1
+
+    def _submit(self, inst: SimInstance, seq: Seq, now: float) -> list[Event]:
+        """The decode server submits the request to its engine once the KV has
+        landed, as an engine command: a busy engine takes it at its next step
+        boundary (the landing itself waited for the one before)."""
+        def go(t: float) -> list[Event]:
+            if seq.removed:                 # ended meanwhile (RLD finished, handoff done)
+                inst.unshare(seq.shared)
+                seq.shared = []
+                return []
+            inst.add_seq(seq)
+            return self._kick(inst, t)
+        if self.import_wait == "none" or not inst.busy:
+            return go(now)
+        inst.wait_boundaries(1, go)
+        return self._kick(inst, now)        # busy: a macro step ends at the next boundary
+
+    # --- commands out ----------------------------------------------------------
+    def _carry(self, req: SimRequest, cmds: list, now: float, times: list[float] = (), first: int = 0,
+               matched: int = 0) -> list[Event]:
+        def made(i: int) -> float:
+            return times[i - first] if 0 <= i - first < len(times) else now
+        evs: list[Event] = []
+        i, n = 0, len(cmds)
+        while i < n:
+            cmd = cmds[i]
+            req.log.add(cmd)
+            i += 1
+            if isinstance(cmd, io.Emit):
+                # A step's tokens come as a run of Emits from one source: one call.
+                run = [cmd]
+                while i < n and isinstance(cmds[i], io.Emit) and cmds[i].source is cmd.source:
+                    run.append(cmds[i])
+                    i += 1
+                self._emit(req, cmd.source, [made(c.index) for c in run])
+            elif isinstance(cmd, io.EmitRun):
+                k = cmd.first_index - first
+                if k == 0 and len(cmd.tokens) == len(times):
+                    self._emit(req, cmd.source, times)         # the whole step, as made
+                else:
+                    self._emit(req, cmd.source, [made(cmd.first_index + j) for j in range(len(cmd.tokens))])
+            elif isinstance(cmd, io.StartPrefill):
+                req.targets = cmd.targets
+                evs += self._start_prefill(req, self.instances[cmd.p_id], matched, now)
+            elif isinstance(cmd, io.OpenDecode):
+                req.legs[cmd.leg] = (cmd.instance_id, cmd.hold)
+            elif isinstance(cmd, (io.CloseStream, io.Abort)):
+                evs += self._close(req, cmd.leg, now)
+            elif isinstance(cmd, io.StartTransfer):
+                evs += self._send(req, io.Transfer(cmd.instance_id), now)
+            elif isinstance(cmd, io.CancelTransfer):
+                evs += self._cancel_to(req, cmd.instance_id, now)
+            elif isinstance(cmd, io.ExtendMd):
+                evs += self._extend(req, cmd)
+            elif isinstance(cmd, (io.PauseRld, io.ResumeRld)):
+                evs += self._pause(req, isinstance(cmd, io.PauseRld), now)
+            elif isinstance(cmd, io.ReleaseP):
+                evs += self._release_p(req, now)
+            elif isinstance(cmd, io.WanFailed):
+                if self.md_link is not None:
+                    self.estimators[self.md_link].observe_failure(now)
+            elif isinstance(cmd, io.Note):
+                if cmd.event == "md_ready":
+                    req.handoff_mode = cmd.fields["mode"]
+            elif isinstance(cmd, io.Finish):
+                evs += self._finish_lc(req, cmd, now)
+        return evs
+
+    def _emit(self, req: SimRequest, leg: io.Leg, times: list[float]) -> None:
+        """The user's next tokens, made at `times`, reach the user from `leg`'s instance."""
+        iid = (req.seqs.get(leg) or req.legs.get(leg) or (req.p_id,))[0] if leg is not io.Leg.P else req.p_id
+        req.emit(times, relay=leg is io.Leg.RLD, delay_s=self.instances[iid].deliver_s)
+
+    def _send(self, req: SimRequest, t: io.Transfer, now: float) -> list[Event]:
+        dst = self.instances[t.instance_id]
+        kind = "warm" if t.warm_blocks else _KIND.get(dst.role, "md")
+        return self._transfer(req, kind, self.instances[req.p_id], dst, now, t.warm_blocks or None, t.background)
+
+    def _close(self, req: SimRequest, leg: io.Leg, now: float) -> list[Event]:
+        req.legs.pop(leg, None)
+        iid, seq = req.seqs.pop(leg, (None, None))
+        if seq is None:
+            return []
+        inst = self.instances[iid]
+        # Out of the batch already: a busy engine's steps under way stand
+        # (its next step admits what waits); an idle one starts one.
+        parked = seq in inst.parked and inst.busy
+        inst.remove_seq(seq)
+        return [] if parked else self._kick(inst, now)
+
+    def _extend(self, req: SimRequest, cmd: io.ExtendMd) -> list[Event]:
+        """A batch of token ids travels to MD (one way) and runs there as a
+        prefill-like chunk; the first also computes P's token (MD has only
+        the prompt's KV)."""
+        md = self.instances[cmd.instance_id]
+        n = len(cmd.token_ids) + (1 if req.md_context == 0 else 0)
+        job = Job(req, JobKind.EXTEND, n, req.spec.prompt_tokens + req.md_context, 0,
+                  data=ExtendBatch(cmd.final, req.md_context + n))
+        req.md_context += n
+        rld_id = req.lc.rld_id or req.p_id
+
+        def at_md(t: float) -> list[Event]:
+            if req.lc.done is not None:
+                return []
+            if job.num_tokens == 0:
+                return self._on_extend_done(md, job, t)
+            md.add_job(job)
+            return self._kick(md, t)
+        return [self._later(self._one_way(self.instances[rld_id], md), md.instance_id, at_md)]
+
+    def _pause(self, req: SimRequest, pause: bool, now: float) -> list[Event]:
+        if io.Leg.RLD not in req.seqs:
+            return []
+        iid, seq = req.seqs[io.Leg.RLD]
+        rld = self.instances[iid]
+        if pause:
+            seq.stop_at = req.lc.stop_at
+            rld.stop_decoding(seq)
+            return []
+        seq.stop_at = None
+        rld.start_decoding(seq)
+        return self._kick(rld, now)
+
+    def _finish_lc(self, req: SimRequest, cmd: io.Finish, now: float) -> list[Event]:
+        """The user's stream is over: MD's cache keeps the answer when MD gave it."""
+        req.pipeline = cmd.outcome.value
+        failed = cmd.reason is io.FinishReason.ERROR
+        md = req.seqs.get(io.Leg.MD, (None,))[0] if req.lc.owner is io.Leg.MD and not failed else None
+        evs: list[Event] = []
+        for leg in list(req.seqs):
+            evs += self._close(req, leg, now)
+        req.legs.clear()
+        if failed and not req.lc.warming:       # the router closes P's stream too: P frees the KV
+            evs += self._release_p(req, now)
+        return evs + self._finish(req, now, error=cmd.error if failed else None,
+                                  cache_on=self.instances[md] if md else None)
+
+    def _finish(self, req: SimRequest, now: float, error: str | None = None,
+                cache_on: SimInstance | None = None) -> list[Event]:
+        req.done_s = now + req.last_delay_s      # when the user saw the end
+        if error is not None:
+            req.failed, req.error = True, error
+        if cache_on is not None and cache_on.cache is not None:
+            cache_on.cache.insert(req.spec.full_block_ids)
+        nxt = self.stream.next_after(req.spec, req.done_s, req.failed)
+        if nxt is None:
+            return []
+        return [self._arrival(n) for n in (nxt if isinstance(nxt, list) else [nxt])]

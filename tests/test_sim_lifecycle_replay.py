@@ -1,0 +1,137 @@
+"""The simulator decides nothing itself about a PDD request's life (faults
+included: a WAN cut): every
+command it carried out is what a fresh `RequestLifecycle` returns for the
+facts the simulator fed it, replayed in the run's order with the same
+routing decisions and relay budgets; and each record's decision log is
+those commands' log (what `pdd sim --validate` compares with the router's).
+
+The real side of the comparison is tests/test_sim_shared_decisions.py
+(slow: real processes): the router's logged commands against the
+simulator's, request by request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import pdd.sim.cluster as cluster_mod
+import pdd.sim.lifecycle_driver as driver_mod
+from pdd.bench import agentic
+from pdd.bench.metrics import Sla
+from pdd.policy import RelayBudgets, note_decision
+from pdd.policy.lifecycle import RequestLifecycle
+from pdd.policy.lifecycle_log import decision_log, entry
+from pdd.sim.runtime import RuntimeMode, run_runtime_mode
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+# 100 requests each, ~1 s: the paths below; "quick+cuts": the WAN cut for
+# 3 s every 20 s (copies fail, DIRECT fails over to RLD, routing sees it down).
+RUNS = ("full", "wan-bound", "quick+cuts")
+CUTS = [(t, t + 3.0) for t in (10.0, 30.0, 50.0, 70.0, 90.0, 110.0)]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {}
+    for name in RUNS:
+        with pytest.MonkeyPatch.context() as mp:
+            out[name] = record_run(mp, name.split("+")[0], cuts=CUTS if name.endswith("+cuts") else ())
+    return out
+
+
+def record_run(monkeypatch, preset: str, num_requests: int = 100, cuts=()):
+    """Simulate examples/pdd.toml on an agentic workload, keeping every
+    routing decision, lifecycle creation, fact and command in order."""
+    calls: list[tuple] = []
+
+    class Recording(RequestLifecycle):
+        def __init__(self, req, d, cfg, budgets=None, warm_blocks=0):
+            super().__init__(req, d, cfg, budgets, warm_blocks)
+            calls.append(("new", req, d, cfg, warm_blocks))
+
+        def start(self, now):
+            cmds = super().start(now)
+            calls.append(("start", self.req.request_id, now, cmds))
+            return cmds
+
+        def handle(self, fact):
+            cmds = super().handle(fact)
+            calls.append(("handle", self.req.request_id, fact, cmds))
+            return cmds
+
+    def note(budgets, d, facts):
+        calls.append(("note", d, facts))
+        return note_decision(budgets, d, facts)
+
+    run = cluster_mod.Cluster.run
+
+    def run_with_cuts(self, until_s):
+        for at_s, restore_s in cuts:
+            self.cut_link("wan", at_s, restore_s)
+        return run(self, until_s)
+    monkeypatch.setattr(driver_mod, "RequestLifecycle", Recording)
+    monkeypatch.setattr(cluster_mod, "note_decision", note)
+    monkeypatch.setattr(cluster_mod.Cluster, "run", run_with_cuts)
+    wl = agentic.generate(dataclasses.replace(agentic.PRESETS[preset], num_requests=num_requests))
+    entry_, records, _ = run_runtime_mode(RuntimeMode("pdd", str(EXAMPLES / "pdd.toml")), wl, Sla(10.0, 1.0))
+    return calls, records
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_simulated_commands_equal_a_replay_of_its_facts(runs, name):
+    calls, records = runs[name]
+    cfg = next(c[3] for c in calls if c[0] == "new")
+    budgets, lcs, words = RelayBudgets(cfg), {}, {}
+    num_facts = 0
+    for c in calls:
+        if c[0] == "note":
+            note_decision(budgets, c[1], c[2])
+        elif c[0] == "new":
+            _, req, d, _, warm = c
+            lcs[req.request_id] = RequestLifecycle(req, d, cfg, budgets, warm)
+            words[req.request_id] = []
+        else:
+            kind, rid, arg, cmds = c
+            got = lcs[rid].start(arg) if kind == "start" else lcs[rid].handle(arg)
+            assert got == cmds, (rid, arg)
+            words[rid] += [entry(cmd) for cmd in got]
+            num_facts += kind == "handle"
+    assert num_facts > 10 * len(lcs)
+    by_id = {r.request_id: r for r in records}
+    for rid, lc in lcs.items():
+        r = by_id[rid]
+        assert not r.failed, r.error
+        assert r.pipeline == lc.outcome.value and lc.done is not None
+        (logged,) = [e["log"] for e in r.events if e["name"] == "lifecycle"]
+        assert tuple(logged) == decision_log(words[rid])
+        # The user's stream: every index once, in order (the lifecycle's Emit).
+        assert r.output_tokens == len(lc.tokens)
+
+
+def test_the_replayed_runs_cover_the_lifecycle_paths(runs):
+    """The workloads above are worth replaying: direct and relayed requests,
+    filtered ones, handoffs of both modes that complete, relays that end on
+    RLD with MD's copy still landing (parked) or cancelled (dropped); with
+    the WAN cut, DIRECT requests whose copy failed fail over to RLD (P sends
+    its KV again) and requests routed meanwhile stay on RLD."""
+    records = [r for _, recs in runs.values() for r in recs]
+    logs = [tuple(e["log"]) for r in records for e in r.events if e["name"] == "lifecycle"]
+    assert len(logs) == len(records) == 100 * len(RUNS)
+    outcomes = Counter(r.pipeline for r in records)
+    for outcome in ("direct", "relay", "relay_filtered", "direct_failover_relay", "relay_only"):
+        assert outcomes[outcome] > 0, outcome
+    for r in runs["quick+cuts"][1]:
+        assert not r.failed, r.error
+        if r.pipeline in ("direct_failover_relay", "relay_only"):
+            assert r.rld_tokens == r.output_tokens and r.wan_bytes == 0
+    words = Counter(w for log in logs for w in set(log))
+    for w in ("note:md_ready:one_shot", "note:md_ready:catch_up", "extend", "extend_final", "pause:rld",
+              "note:handoff_complete", "emit:md", "note:md_parked", "abort:md:keep_kv", "note:md_dropped",
+              "abort:rld", "note:failover", "start_transfer"):
+        assert words[w] > 0, w
