@@ -11,6 +11,9 @@ Lifecycle of a request here:
     -> forget() drops the record.
     submit(hold) -> HELD (outside vLLM) -> extend(final=False)* -> extend(final)
     -> add_request of prompt + every given token (RUNNING)
+    each extend(final=False) batch is computed at once by a side request
+    (side.py); a HELD request aborted (it ended on RLD) leaves its landed KV
+    in vLLM's prefix cache through one.
     RUNNING -> extend([], final=False): paused (vLLM drops it, HELD) -> extend([]) -> RUNNING
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): `step()` is one
 scheduler + model pass on the engine thread, like our Engine's.
@@ -33,6 +36,8 @@ from pdd.engine.kv_codec import KVLayout, KVManifest
 from pdd.engine.request import EngineRequest, RequestStatus, SamplingParams
 from pdd.model.config import ModelConfig
 from pdd.vllm.args import CPU_BLOCK_MULTIPLE, engine_kwargs, prepare_process, vllm_sampling
+from pdd.vllm.prefix import VllmPrefixIndex
+from pdd.vllm.side import FILLER_TOKEN, BlockPins, SideKind, SideRequests
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +88,9 @@ class VllmEngine:
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
         self.runner = _BlockReader()
-        self._pending: list[StepEvent] = []     # events made between steps (extend batches taken)
+        self._pending: list[StepEvent] = []     # events made between steps
+        self.side = SideRequests(llm)            # ours, output unread: catch-up batches, absorbed copies
+        self.pins = BlockPins(lambda: self.scheduler, VllmPrefixIndex(llm.engine_core.engine_core, cfg.block_size))
         # Its own model id: vLLM's block layout is not ours, so neither engine
         # may take the other's KV (the receiver checks the layout's model id,
         # and block hashes are namespaced by it).
@@ -193,9 +200,37 @@ class VllmEngine:
                                       f"(max_tokens {rec.sampling.max_tokens})")
         if final:
             self._to_vllm(rec)
+        elif token_ids:
+            self._catch_up(rec)
         else:
-            # Computed at the final extend, not now: report the batch taken.
             self._pending.append(StepEvent(request_id, extended_upto=rec.num_output_tokens))
+
+    def _catch_up(self, rec: VllmRequestRecord) -> None:
+        """Compute a held request's tokens so far now (one side request at a
+        time; one that ends with more tokens given starts the next), so the
+        final extend finds all but the last partial block in the prefix cache."""
+        if not self.side.catching_up(rec.request_id):
+            self.side.launch(rec.request_id, rec.token_ids, SideKind.CATCH_UP, upto=rec.num_output_tokens)
+
+    def absorb(self, owner: str, token_ids: list[int]) -> None:
+        """KV landed for `owner` (staged) that no request will consume: into
+        vLLM's prefix cache, its full blocks loaded and one filler token computed."""
+        from pdd.vllm.connector import HUB
+
+        if owner in HUB.staged and not self.side.owns(owner):
+            self.side.launch(owner, list(token_ids) + [FILLER_TOKEN], SideKind.ABSORB)
+
+    def _side_done(self, vid: str) -> list[StepEvent]:
+        s = self.side.finished(vid)
+        rec = self.requests.get(s.owner) if s is not None else None
+        events = []
+        if s is not None and s.kind is SideKind.CATCH_UP and rec is not None and rec.status == RequestStatus.HELD:
+            events.append(StepEvent(s.owner, extended_upto=s.upto))
+            if rec.num_output_tokens > s.upto:
+                self._catch_up(rec)
+        if s is not None and rec is None and not self.side.owns(s.owner):
+            self._drop_kv(s.owner)
+        return events
 
     # -- KV (the prefill side's export, through the connector) -----------------------
     def kv_manifest(self, request_id: str, num_tokens: int | None = None) -> KVManifest:
@@ -215,6 +250,10 @@ class VllmEngine:
             return False
         if rec.in_vllm:
             self.llm.abort_request([request_id])
+        elif rec.status == RequestStatus.HELD:
+            # It ended elsewhere (RLD finished first) or its caller left: the
+            # KV that landed for it stays in vLLM's prefix cache for the next turn.
+            self.absorb(request_id, rec.token_ids)
         rec.status, rec.in_vllm = RequestStatus.FINISHED_ABORTED, False
         return True
 
@@ -234,7 +273,14 @@ class VllmEngine:
         from pdd.vllm.connector import HUB
 
         HUB.release(request_id)      # a finished prefill's held blocks: freed at the next step
-        HUB.unstage(request_id)
+        if not self.side.owns(request_id):      # else when its side request ends
+            self._drop_kv(request_id)
+
+    def _drop_kv(self, owner: str) -> None:
+        from pdd.vllm.connector import HUB
+
+        HUB.unstage(owner)
+        self.pins.release(owner)
 
     @property
     def has_work(self) -> bool:
@@ -252,12 +298,17 @@ class VllmEngine:
         wall = time.perf_counter() - t0
         num_prefill = num_decode = 0
         for out in outputs:
+            if out.request_id in self.side.live:
+                if out.finished:
+                    events += self._side_done(out.request_id)
+                continue
             rec = self.requests.get(out.request_id)
             if rec is None or not rec.in_vllm:
                 continue
             comp = out.outputs[0]
             if not rec.started and comp.token_ids:
                 rec.started = True
+                self.pins.release(rec.request_id)      # vLLM holds what it hit now
                 rec.num_cached_tokens = int(out.num_cached_tokens or 0)
                 self._prefix_query_tokens += rec.num_prompt_tokens
                 self._prefix_hit_tokens += rec.num_cached_tokens
@@ -303,6 +354,7 @@ class VllmEngine:
             # blocks the PDD connector loaded into vLLM from landed transfers
             # (not computed here: what a receiver's KV saved it)
             "kv_loaded_blocks": _hub_loaded_blocks(),
+            "kv_pinned_blocks": self.pins.num_pinned,      # HAVE blocks held for a request to come
         }
 
     def recent_decode_step_s(self, window: int = 32) -> float | None:
@@ -315,12 +367,12 @@ class VllmEngine:
 
     def _release_pins(self, request_id: str) -> None:
         """Our engine pins imported KV until its request runs; here the landed
-        blocks wait in the connector's staging area, dropped when no request
-        of that id runs (the transfer failed, or its decode call went away)."""
-        if request_id not in self.requests:
-            from pdd.vllm.connector import HUB
-
-            HUB.unstage(request_id)
+        blocks wait in the connector's staging area and the HAVE blocks are
+        pinned in vLLM's pool, both let go when no request of that id runs
+        (the transfer failed, or its decode call went away) and no side
+        request (an absorb) still needs them."""
+        if request_id not in self.requests and not self.side.owns(request_id):
+            self._drop_kv(request_id)
 
 
 def _hub_loaded_blocks() -> int:
