@@ -22,11 +22,10 @@ def stats(dep, name: str) -> dict:
     """An instance's /internal/stats (signed as the router signs)."""
     from pdd.server.http_auth import sign
 
-    inst = dep.spec.instance(name)
+    base, ctx = dep.instance_url(name)        # https with the router's certificate across datacenters
     path = "/internal/stats"
-    req = urllib.request.Request(f"http://{inst.host}:{inst.port}{path}",
-                                 headers=sign(dep.keys.internal_http, "GET", path, name, b""))
-    with urllib.request.urlopen(req, timeout=10) as r:
+    req = urllib.request.Request(base + path, headers=sign(dep.keys.internal_http, "GET", path, name, b""))
+    with urllib.request.urlopen(req, timeout=10, context=ctx) as r:
         return json.loads(r.read())
 
 
