@@ -73,6 +73,8 @@ def prepare_process(num_threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")     # vLLM's usage report: nothing leaves the machine
+    os.environ.setdefault("DO_NOT_TRACK", "1")
     import torch
 
     torch.set_num_threads(num_threads)
