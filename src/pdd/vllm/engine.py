@@ -25,7 +25,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,49 +32,14 @@ from pdd.engine.config import EngineConfig
 from pdd.engine.engine import InvalidRequestError, StepEvent, StepRecord
 from pdd.engine.hashing import hash_blocks
 from pdd.engine.kv_codec import KVLayout, KVManifest
-from pdd.engine.request import EngineRequest, RequestStatus, SamplingParams
+from pdd.engine.request import EngineRequest, RequestStatus
 from pdd.model.config import ModelConfig
 from pdd.vllm.args import CPU_BLOCK_MULTIPLE, engine_kwargs, prepare_process, vllm_sampling
 from pdd.vllm.prefix import VllmPrefixIndex
+from pdd.vllm.records import FINISH_STATUS, BlockReader, VllmRequestRecord, engine_stats, recent_decode_step_s
 from pdd.vllm.side import FILLER_TOKEN, BlockPins, SideKind, SideRequests
 
 log = logging.getLogger(__name__)
-
-_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
-                  "abort": RequestStatus.FINISHED_ABORTED}
-
-
-@dataclass
-class VllmRequestRecord:
-    """What the instance reads of a request after vLLM has it."""
-    request_id: str
-    num_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)   # what vLLM was given: prompt + tokens made elsewhere
-    status: RequestStatus = RequestStatus.RUNNING
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0                            # counts the tokens made elsewhere too
-    keep_kv: bool = False
-    started: bool = False                                 # its first step with output has been seen
-    sampling: SamplingParams | None = None
-    in_vllm: bool = False                                 # vLLM runs it now (not held, not finished)
-
-    @property
-    def block_ids(self) -> list[int]:
-        """vLLM blocks a finished prefill holds (the connector's record)."""
-        from pdd.vllm.connector import HUB
-
-        return HUB.held.get(self.request_id, [])
-
-
-class _BlockReader:
-    """engine.runner.read_block for PrefillJob: whole vLLM blocks via the connector hub."""
-
-    @staticmethod
-    def read_block(block_id: int) -> bytes:
-        from pdd.vllm.connector import HUB
-
-        return HUB.read_block(block_id)
-
 
 class VllmEngine:
     def __init__(self, llm, cfg: EngineConfig, model_cfg: ModelConfig):
@@ -87,7 +51,7 @@ class VllmEngine:
         self.pool_lock = threading.RLock()
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
-        self.runner = _BlockReader()
+        self.runner = BlockReader()
         self._pending: list[StepEvent] = []     # events made between steps
         self.side = SideRequests(llm)            # ours, output unread: catch-up batches, absorbed copies
         self.pins = BlockPins(lambda: self.scheduler, VllmPrefixIndex(llm.engine_core.engine_core, cfg.block_size))
@@ -128,8 +92,6 @@ class VllmEngine:
         token, RLD's eager tokens) appended to the prompt: vLLM computes them
         in the same pass as the prompt's uncached part and samples after them.
         KV staged for it by the receiver is loaded through the connector."""
-        from pdd.vllm.connector import HOLD, HUB, LOAD
-
         rid = req.request_id
         if rid in self.requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
@@ -321,8 +283,8 @@ class VllmEngine:
                 rec.token_ids.append(int(tok))
             if out.finished:
                 rec.in_vllm = False
-                rec.status = _FINISH_STATUS.get(comp.finish_reason, RequestStatus.FINISHED_ERROR)
-                reason = comp.finish_reason if comp.finish_reason in _FINISH_STATUS else "error"
+                rec.status = FINISH_STATUS.get(comp.finish_reason, RequestStatus.FINISHED_ERROR)
+                reason = comp.finish_reason if comp.finish_reason in FINISH_STATUS else "error"
                 if events and events[-1].request_id == rec.request_id and events[-1].token_id is not None:
                     last = events.pop()
                     events.append(StepEvent(rec.request_id, last.token_id, last.index, True, reason))
@@ -339,31 +301,10 @@ class VllmEngine:
 
     # -- reads from any thread -----------------------------------------------------------
     def stats(self) -> dict:
-        sch = self.scheduler
-        pool = sch.kv_cache_manager.block_pool
-        total = pool.num_gpu_blocks - 1          # block 0 is vLLM's null block
-        free = pool.get_num_free_blocks()
-        q, h = self._prefix_query_tokens, self._prefix_hit_tokens
-        return {
-            "num_running": len(sch.running), "num_waiting": len(sch.waiting),
-            "kv_total_blocks": total, "kv_free_blocks": free, "kv_used_blocks": total - free,
-            "num_requests": len(self.requests),
-            "prefix_query_tokens": q, "prefix_hit_tokens": h, "prefix_hit_rate": h / q if q else 0.0,
-            "num_steps": self.num_steps, "decode_step_s": self.recent_decode_step_s(),
-            "backend": "vllm",
-            # blocks the PDD connector loaded into vLLM from landed transfers
-            # (not computed here: what a receiver's KV saved it)
-            "kv_loaded_blocks": _hub_loaded_blocks(),
-            "kv_pinned_blocks": self.pins.num_pinned,      # HAVE blocks held for a request to come
-        }
+        return engine_stats(self)
 
     def recent_decode_step_s(self, window: int = 32) -> float | None:
-        try:    # read from the HTTP thread while the engine thread appends
-            recent = [self.step_log[-k] for k in range(1, min(len(self.step_log), 4 * window) + 1)]
-        except IndexError:
-            return None
-        xs = [r.wall_s for r in recent if r.num_prefill_tokens == 0][:window]
-        return sum(xs) / len(xs) if xs else None
+        return recent_decode_step_s(self.step_log, window)
 
     def _release_pins(self, request_id: str) -> None:
         """Our engine pins imported KV until its request runs; here the landed
@@ -374,8 +315,3 @@ class VllmEngine:
         if request_id not in self.requests and not self.side.owns(request_id):
             self._drop_kv(request_id)
 
-
-def _hub_loaded_blocks() -> int:
-    from pdd.vllm.connector import HUB
-
-    return sum(list(HUB.loaded_blocks.values()))
