@@ -96,6 +96,11 @@ def test_low_hit_request_streams_from_rld_then_finishes_on_md(auto, reference, s
     assert tr["token_times_s"][0] < md_ready - 1.0, "first tokens streamed well before MD had the KV"
     assert tr["handoff_mode"] in ("one_shot", "catch_up") and tr["handoff_gap_s"] is not None
     assert tr["wan_bytes"] == 400 // 16 * 16 * KV_BYTES_PER_TOKEN      # every full block crossed once
+    # P began both transfers while it computed the prompt (streaming), so each
+    # waited for blocks; the copy to MD yielded the line to nothing else here.
+    sent = {e["target"]: e for e in tr["events"] if e["name"] == "kv_transfer"}
+    assert sent.keys() == {"rld0", "md0"} and all(e["waited_s"] > 0 for e in sent.values()), sent
+    assert sent["md0"]["background"] and not sent["rld0"]["background"]
 
 
 def test_second_turn_goes_direct_and_sends_only_new_blocks(auto, reference, smollm2_dir):
@@ -107,6 +112,8 @@ def test_second_turn_goes_direct_and_sends_only_new_blocks(auto, reference, smol
     text, tr = run(auto, second, 12, stream=False)
     assert text == tok.decode(reference(second, 12))
     assert tr["pipeline"] == "direct", tr["pipeline_reason"]
+    # The router counted MD's cache (its index of MD's blocks, no WAN round trip).
+    assert event(tr, "pipeline")["missing_bytes"] == (-(-344 // 16) - 320 // 16) * 16 * KV_BYTES_PER_TOKEN
     new_blocks = (344 // 16) - (320 // 16)
     assert tr["wan_bytes"] == new_blocks * 16 * KV_BYTES_PER_TOKEN       # DRC: only what MD lacks
     assert tr["cached_tokens"] == 320 and set(tr["token_sources"]) == {"md"}

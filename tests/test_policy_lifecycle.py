@@ -82,6 +82,8 @@ def test_direct_streams_md_from_its_first_token():
 def test_relay_one_shot_handoff():
     lc, cmds = started(RELAY)
     assert of(cmds, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False), OpenDecode(Leg.MD, "m0", True)]
+    # RLD serves the user meanwhile: the copy to MD yields the line to direct ones.
+    assert of(cmds, StartPrefill)[0].targets == (Transfer("r0"), Transfer("m0", background=True))
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
     out = rld_tokens(lc, 0, 5)
@@ -123,7 +125,7 @@ def test_relay_catch_up_handoff_sends_batches_until_the_gap_is_small():
 def test_filtered_request_is_rld_only_and_warms_md_with_its_shared_prefix():
     lc, cmds = started(FILTERED, warm_blocks=4)
     assert of(cmds, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False)]
-    assert cmds[-1] == StartPrefill("p0", (Transfer("r0"), Transfer("m0", 4)))
+    assert cmds[-1] == StartPrefill("p0", (Transfer("r0"), Transfer("m0", 4, background=True)))
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
     out = rld_tokens(lc, 0, 20) + lc.handle(DecodeEnded(1.0, Leg.RLD, EndReason.LENGTH))

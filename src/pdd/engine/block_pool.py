@@ -18,6 +18,7 @@ from collections import OrderedDict, deque
 from typing import Iterable, Sequence
 
 from pdd.engine.hashing import BlockHash
+from pdd.engine.kv_events import KvEventLog
 
 
 class NoFreeBlocks(RuntimeError):
@@ -25,7 +26,8 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True,
+                 events: KvEventLog | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -38,6 +40,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.num_used = 0
         self.num_evictions = 0
+        self.events = events        # publish / drop of cached blocks, for a router's index
 
     # -- capacity -------------------------------------------------------
     @property
@@ -110,6 +113,8 @@ class BlockPool:
             raise ValueError(f"block {block_id} is already committed")
         self.block_hashes[block_id] = block_hash
         self.hash_to_block[block_hash] = block_id
+        if self.events is not None:
+            self.events.stored(block_hash)
         return True
 
     def lookup_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
@@ -139,3 +144,5 @@ class BlockPool:
         if h is not None:
             del self.hash_to_block[h]
             self.block_hashes[b] = None
+            if self.events is not None:
+                self.events.removed(h)

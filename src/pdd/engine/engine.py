@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pdd.engine.block_pool import BlockPool, NoFreeBlocks
 from pdd.engine.config import EngineConfig
 from pdd.engine.kv_codec import KVImportError, KVLayout, KVManifest, decode_blob, encode_blob
+from pdd.engine.kv_events import KvEventLog
 from pdd.engine.request import EngineRequest, RequestStatus
 from pdd.engine.runner import ModelRunner
 from pdd.engine.scheduler import Scheduler, StepPlan
@@ -66,7 +67,8 @@ class Engine:
                                  model_cfg.max_position_embeddings)
         self.layout = KVLayout(model_cfg.model_id, cfg.dtype, cfg.block_size,
                                model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_cache)
+        self.kv_events = KvEventLog()
+        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_cache, self.kv_events)
         self.scheduler = Scheduler(cfg, self.pool, model_cfg.model_id.encode())
         self.runner = ModelRunner(model, model_cfg, cfg)
         self.requests: dict[str, EngineRequest] = {}
@@ -327,6 +329,7 @@ class Engine:
             "num_evictions": self.pool.num_evictions,
             "num_steps": self.num_steps,
             "decode_step_s": self.recent_decode_step_s(),
+            "prefill_tokens_s": self.recent_prefill_tokens_s(),
         }
 
     def recent_decode_step_s(self, window: int = 32) -> float | None:
@@ -342,6 +345,23 @@ class Engine:
                 if len(xs) == window:
                     break
         return sum(xs) / len(xs) if xs else None
+
+
+    def recent_prefill_tokens_s(self, window: int = 16) -> float | None:
+        """Prompt tokens per second of the last steps that computed prompts (the
+        policy's estimate of how long a prefill streams its KV)."""
+        tokens = wall = 0.0
+        n = 0
+        try:
+            recent = [self.step_log[-k] for k in range(1, min(len(self.step_log), 4 * window) + 1)]
+        except IndexError:
+            return None
+        for r in recent:
+            if r.num_prefill_tokens > 0:
+                tokens, wall, n = tokens + r.num_prefill_tokens, wall + r.wall_s, n + 1
+                if n == window:
+                    break
+        return tokens / wall if wall > 0 else None
 
 
 def status_reason(status: RequestStatus) -> str:

@@ -70,8 +70,10 @@ class PolicyConfig:
     # ... except at the start: an empty history proves no overuse, and a run
     # opens with sessions that are all cold, the requests relays exist for.
     # The token budget lends this many requests' worth of output to RLD,
-    # repaid over the next loan / relay_max_token_share decisions.
-    relay_startup_loan: float = 4.0
+    # repaid over the next loan / relay_max_token_share decisions. None: the
+    # relay pool's batch slots (what it can serve at once: a burst of cold
+    # turns that size is what the pool is there to absorb).
+    relay_startup_loan: float | None = None
     rld_tpot_prior_s: float = 0.05    # RLD step time before it has reported one
     # A cancelled/skipped transfer's shared prefix is warmed on MD later only
     # when P has seen it reused by at least this many other requests.
@@ -107,7 +109,7 @@ class PolicyConfig:
             raise ValueError("relay_only_max_share must be in [0, 1]")
         if not 0.0 <= self.relay_max_token_share <= 1.0:
             raise ValueError("relay_max_token_share must be in [0, 1]")
-        if self.relay_startup_loan < 0:
+        if self.relay_startup_loan is not None and self.relay_startup_loan < 0:
             raise ValueError("relay_startup_loan must be >= 0")
         if self.relay_only_window < 1:
             raise ValueError("relay_only_window must be >= 1")

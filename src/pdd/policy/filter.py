@@ -133,10 +133,12 @@ class RelayBudgets:
     decisions: RLD-only requests (the filter) and RLD's tokens (relays' eager
     tokens and RLD-only outputs, as predicted at routing)."""
 
-    def __init__(self, cfg: PolicyConfig) -> None:
+    def __init__(self, cfg: PolicyConfig, relay_slots: int = 4) -> None:
+        """relay_slots: the relay pool's batch slots (the start-up loan unless
+        `relay_startup_loan` sets it)."""
+        loan = cfg.relay_startup_loan if cfg.relay_startup_loan is not None else float(relay_slots)
         self.requests = ShareBudget(cfg.relay_only_max_share, cfg.relay_only_window, loan=1.0)
-        self.tokens = ShareBudget(cfg.relay_max_token_share, cfg.relay_only_window,
-                                  loan=cfg.relay_startup_loan)
+        self.tokens = ShareBudget(cfg.relay_max_token_share, cfg.relay_only_window, loan=loan)
 
 
 def should_cancel_wan(now: float, tokens_left: int, est_remaining_wan_s: float,

@@ -35,7 +35,9 @@ from pdd.policy.lifecycle_io import (
     PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, Transfer, TransferEnded, WanFailed,
 )
 from pdd.policy.lifecycle_recovery import RecoveryRules, _Failed, pick_spare
-from pdd.policy.pipeline import Pipeline, PipelineDecision, cancel_wan, convert_to_relay_only, keep_wan_copy
+from pdd.policy.pipeline import (
+    Pipeline, PipelineDecision, cancel_wan, convert_to_relay_only, copy_yields_line, keep_wan_copy,
+)
 from pdd.policy.views import InstanceView, RequestFacts, Role
 
 __all__ = ["RequestLifecycle", "pick_spare", "remaining_wan_s"]
@@ -43,7 +45,7 @@ __all__ = ["RequestLifecycle", "pick_spare", "remaining_wan_s"]
 
 def remaining_wan_s(d: PipelineDecision, wan_elapsed_s: float) -> float:
     """Routing's WAN estimate less the time the copy has had."""
-    return max(0.0, d.est_wan_s - max(wan_elapsed_s, 0.0))
+    return max(0.0, d.wait_s - max(wan_elapsed_s, 0.0))
 
 
 class RequestLifecycle(RecoveryRules):
@@ -97,9 +99,9 @@ class RequestLifecycle(RecoveryRules):
         if self.md_id is not None:
             self._open(Leg.MD, self.md_id, hold=self.d.pipeline is Pipeline.RELAY)
             self.md_live = True
-            targets.append(Transfer(self.md_id))
+            targets.append(Transfer(self.md_id, background=copy_yields_line(self.d, cfg=self.cfg)))
         if self.warm is not None:
-            targets.append(Transfer(*self.warm))
+            targets.append(Transfer(*self.warm, background=copy_yields_line(self.d, warm=True, cfg=self.cfg)))
         self.transfers = {t.instance_id: None for t in targets}
         self.p_open = True
         self._out.append(StartPrefill(self.p_id, tuple(targets)))

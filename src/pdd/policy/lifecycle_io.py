@@ -149,6 +149,7 @@ Fact = (Prefilled | TransferEnded | PrefillEnded | DecodeToken | KvReady | Exten
 class Transfer:
     instance_id: str
     warm_blocks: int = 0     # > 0: only this many prompt blocks, for MD's cache
+    background: bool = False  # yields the line to transfers a user waits on (`copy_yields_line`)
 
 
 @dataclass(frozen=True)

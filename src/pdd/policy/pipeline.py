@@ -8,7 +8,10 @@ Decision order, over one ClusterView snapshot:
 3. WAN down (operator switch or the link estimate) -> RELAY_ONLY "wan down".
 4. Bytes MD lacks = prompt blocks MD does not hold (all of them without DRC);
    est_wan_s = rtt + bytes / measured throughput. Measured, not a constant
-   hit rate: a 99%-hit request on a congested line can still be slow.
+   hit rate: a 99%-hit request on a congested line can still be slow. P
+   streams the KV while it computes, so what the user would wait for is
+   wait_s, the transfer less what hides behind the prefill
+   (`wait_after_prefill`); the rules below compare that.
 5. The filter: a request of the abnormal class (`in_filter_class`: very
    long, mostly new input, very short output) that an RLD with a free slot
    would finish before the copy lands, while the RLD-only share of recent
@@ -73,11 +76,34 @@ class PipelineDecision:
     # Of the filter's class: the live filter may still cancel its WAN copy.
     filterable: bool = False
     rld_tokens: int = 0     # output tokens RLD is expected to emit (RELAY: eager; RELAY_ONLY: all)
+    # How long after P's first token MD is expected to hold the KV (the
+    # transfer less what streams behind the prefill, `wait_after_prefill`).
+    wait_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.wait_s == math.inf and math.isfinite(self.est_wan_s):
+            object.__setattr__(self, "wait_s", self.est_wan_s)
 
     @property
     def relay_only_by_choice(self) -> bool:
         """Kept off the WAN by the filter (not because the WAN is down)."""
         return self.pipeline is Pipeline.RELAY_ONLY and self.md_id is not None
+
+
+def wait_after_prefill(est_wan_s: float, new_tokens: int, p: InstanceView) -> float:
+    """How long after P's first token the receiver still waits for the KV.
+
+    P streams each block as soon as the chunk that fills it is computed, so a
+    transfer hides behind the prefill: what could cross while P computed has
+    crossed by its end. The last chunk's blocks exist only at the end, so a
+    prompt of one chunk (a warm turn's few new tokens) hides nothing. Without
+    P's measured prefill rate or chunk size: the whole estimate."""
+    rate, chunk = p.prefill_tokens_s, p.chunk_tokens
+    if not rate or rate <= 0 or chunk <= 0 or new_tokens <= chunk or not math.isfinite(est_wan_s):
+        return est_wan_s
+    compute_s = new_tokens / rate
+    tail_s = est_wan_s * chunk / new_tokens
+    return max(est_wan_s - compute_s, tail_s)
 
 
 def rld_has_room(rld: InstanceView, req: RequestFacts) -> bool:
@@ -130,36 +156,44 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
     md_id = pick_instance(mds, md_matched, n, cluster.now, cfg)
     missing = req.missing_kv_bytes(md_matched.get(md_id, 0))
     est = cluster.wan.transfer_s(missing)
+    # What the user would wait for after P's first token: the transfer less
+    # the part that streams while P computes. A relayed request's copy goes
+    # as background, behind the other copies too: when MD could take over.
+    p_view, new_tokens = cluster.instance(p_id), max(n - cluster.matched(p_id), 0)
+    wait = wait_after_prefill(est, new_tokens, p_view)
+    copy_wait = wait_after_prefill(cluster.wan.transfer_s(missing, background=True), new_tokens, p_view)
     filterable = bool(cluster.with_role(Role.RELAY)) and in_filter_class(req, cluster.matched(p_id), cfg)
 
     def direct(why: str) -> PipelineDecision:
-        return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why, filterable)
+        return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why, filterable,
+                                wait_s=wait)
 
     m = req.max_tokens
     # RLD-only is bounded by its own budget of requests only: by the class's
     # definition their outputs are tiny (at most 1/100 of the input), so a
     # token budget spent on relays must not send them on a long transfer.
-    if (filterable and rld is not None and predict_abnormal(req, est, rld_tpot_s(rld, cfg), cfg)
+    if (filterable and rld is not None and predict_abnormal(req, copy_wait, rld_tpot_s(rld, cfg), cfg)
             and (budgets is None or budgets.requests.allows(1, 1))):
         return PipelineDecision(Pipeline.RELAY_ONLY, p_id, rld_id, md_id, False, missing, est,
-                                f"abnormal: {m} tokens end on RLD before the KV lands ({est:.3f}s)",
-                                filterable, m)
-    if est <= cfg.direct_max_wan_s:
-        return direct(f"wan {est:.3f}s <= {cfg.direct_max_wan_s}s")
+                                f"abnormal: {m} tokens end on RLD before the KV lands ({copy_wait:.3f}s)",
+                                filterable, m, wait_s=copy_wait)
+    if wait <= cfg.direct_max_wan_s:
+        return direct(f"wan {wait:.3f}s <= {cfg.direct_max_wan_s}s")
     if cluster.local is not None and cluster.local.usable and rld is not None:
         # What RLD lacks crosses the local link (its prefix cache skips the rest).
         local = cluster.local.transfer_s(req.missing_kv_bytes(cluster.matched(rld.instance_id)))
-        if est - local < cfg.relay_min_gain_s:
-            return direct(f"relay gains {est - local:.3f}s < {cfg.relay_min_gain_s}s "
-                          f"(wan {est:.3f}s, local {local:.3f}s)")
+        local = wait_after_prefill(local, new_tokens, p_view)
+        if wait - local < cfg.relay_min_gain_s:
+            return direct(f"relay gains {wait - local:.3f}s < {cfg.relay_min_gain_s}s "
+                          f"(wan {wait:.3f}s, local {local:.3f}s)")
     if rld is None:
         return direct("no relay-decode instance" if not cluster.with_role(Role.RELAY) else "relay pool full")
-    eager = min(m, math.ceil(est / rld_tpot_s(rld, cfg)))
+    eager = min(m, math.ceil(copy_wait / rld_tpot_s(rld, cfg)))
     if budgets is not None and not budgets.tokens.allows(eager, m):
         return direct(f"relay budget: RLD would emit ~{eager} of {m} tokens past its "
                       f"{cfg.relay_max_token_share:.0%} share")
     return PipelineDecision(Pipeline.RELAY, p_id, rld_id, md_id, True, missing, est,
-                            f"wan {est:.3f}s > {cfg.direct_max_wan_s}s", filterable, eager)
+                            f"wan {wait:.3f}s > {cfg.direct_max_wan_s}s", filterable, eager, wait_s=copy_wait)
 
 
 def note_decision(budgets: RelayBudgets, d: PipelineDecision, req: RequestFacts) -> None:
@@ -177,7 +211,7 @@ def cancel_wan(d: PipelineDecision, budgets: RelayBudgets | None, now: float, wa
     `convert_to_relay_only`."""
     if not d.filterable or (budgets is not None and not budgets.requests.allows(1, 1)):
         return False
-    remaining = max(0.0, d.est_wan_s - max(wan_elapsed_s, 0.0))
+    remaining = max(0.0, d.wait_s - max(wan_elapsed_s, 0.0))
     return should_cancel_wan(now, max(tokens_left, 0), remaining, rld_tpot_s(rld, cfg), cfg)
 
 
@@ -195,6 +229,23 @@ def keep_wan_copy(d: PipelineDecision) -> bool:
     Cancelling it instead is the self-feeding loop: the next turn of the
     conversation lacks all of it on MD, is relayed again, ends on RLD again."""
     return d.start_wan and not d.filterable
+
+
+def copy_yields_line(d: PipelineDecision, warm: bool = False, cfg: PolicyConfig | None = None) -> bool:
+    """Whether P's copy of the KV to MD yields the line to transfers a user
+    waits on (router and simulator alike). It does when RLD serves the user
+    meanwhile (RELAY: the copy only readies MD for the handoff), when it only
+    warms MD's cache, and when even a direct request's copy is expected to
+    take seconds (past `direct_max_wan_s`: its user waits that long anyway,
+    and giving it the line first would hold back the copies that the next
+    turns of other conversations need on MD). What does not yield is a direct
+    request's copy that lands within a fraction of a second (a warm turn's
+    few new blocks), or a resend after a lost RLD. Yielding copies share what
+    is left of the line one at a time, fewest bytes left first."""
+    cfg = cfg or PolicyConfig()
+    if warm or d.pipeline is Pipeline.RELAY:
+        return True
+    return d.pipeline is Pipeline.DIRECT and d.wait_s > cfg.direct_max_wan_s
 
 
 def plan_warm(d: PipelineDecision, matched: Mapping[str, int], prefix_key: Callable[[int], Hashable],

@@ -35,6 +35,11 @@ class InstanceView:
     # Recent mean wall time of one decode step (a measured fact); None when the
     # instance has not decoded yet and the policy should use its prior.
     step_time_s: float | None = None
+    # Recent prompt tokens per second of its prefill steps (P): how long a
+    # prompt computes, i.e. how much of its transfer streams behind it.
+    prefill_tokens_s: float | None = None
+    # Prompt tokens one engine step computes at most (its chunk); 0: unknown.
+    chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if min(self.num_running, self.num_waiting, self.kv_free_blocks) < 0:
@@ -70,20 +75,30 @@ class LinkEstimate:
     # Fixed cost of one transfer beyond the round trip: the receiver putting
     # the blocks into its pool between its engine steps, connection work.
     overhead_s: float = 0.0
+    # Bytes already on their way over the line from P, that a new transfer
+    # waits behind: foreground ones (a direct request's KV) and background
+    # copies (which yield to foreground transfers, shortest first).
+    queued_bytes: float = 0.0
+    queued_background_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.throughput_bytes_s < 0 or self.rtt_s < 0 or self.overhead_s < 0:
+        if min(self.throughput_bytes_s, self.rtt_s, self.overhead_s, self.queued_bytes,
+               self.queued_background_bytes) < 0:
             raise ValueError("link estimate must be non-negative")
 
     @property
     def usable(self) -> bool:
         return self.up and self.throughput_bytes_s > 0
 
-    def transfer_s(self, num_bytes: int) -> float:
-        """One handshake round trip, the fixed overhead, the bytes at the estimated rate."""
+    def transfer_s(self, num_bytes: int, background: bool = False) -> float:
+        """One handshake round trip, the fixed overhead, the bytes at the
+        estimated rate behind what is queued ahead: the foreground bytes, and
+        for a background copy the other copies too (an upper bound: shorter
+        ones go first)."""
         if not self.usable:
             return math.inf
-        return self.rtt_s + self.overhead_s + num_bytes / self.throughput_bytes_s
+        ahead = self.queued_bytes + (self.queued_background_bytes if background else 0.0)
+        return self.rtt_s + self.overhead_s + (ahead + num_bytes) / self.throughput_bytes_s
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,11 @@
 
 Load comes from polling every instance's /internal/stats; between polls the
 router counts what it dispatched itself, so a burst does not all land on the
-instance that looked idle a moment ago. Prefix matches are asked per request.
+instance that looked idle a moment ago. Prefix matches of instances in this
+datacenter are asked per request; those across the WAN come from the
+router's index of their caches (`CacheIndex`), which the same poll keeps
+current, so routing costs no round trip over the WAN. The poll's round trip
+to them feeds the WAN's RTT estimate.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pdd.policy import (
     ClusterView, InstanceView, LinkEstimator, PolicyConfig, PrefixReuseCounter, RelayBudgets,
 )
 from pdd.policy import Role as PolicyRole
+from pdd.server.cache_index import CacheIndex
 from pdd.server.wire import InternalClient
 
 log = logging.getLogger(__name__)
@@ -31,9 +36,12 @@ class Member:
     healthy: bool = True
     in_flight: int = 0      # dispatched by this router and not yet finished
     answered_s: float = 0.0  # when it last answered a load poll (time.monotonic())
+    index: CacheIndex | None = None   # its prefix cache as the router knows it (remote instances)
+    send_backlog: dict | None = None  # P: WAN bytes still to send, foreground / background (last poll)
 
 
 LOCAL_LINE_BITS_S = 4e9
+INDEX_MAX_AGE_S = 2.0    # a cache index older than this (polls failing): ask the instance
 LOCAL_LATENCY_S = 1e-4
 
 
@@ -43,8 +51,12 @@ class Cluster:
         self.members: dict[str, Member] = {}
         for inst in spec.instances:
             view = InstanceView(inst.name, PolicyRole(inst.role.value), inst.datacenter, 0, 0,
-                                inst.engine.max_num_seqs, inst.engine.num_blocks, inst.engine.num_blocks)
-            self.members[inst.name] = Member(inst, address(spec, inst, spec.router_datacenter), view)
+                                inst.engine.max_num_seqs, inst.engine.num_blocks, inst.engine.num_blocks,
+                                chunk_tokens=inst.engine.max_num_batched_tokens)
+            m = Member(inst, address(spec, inst, spec.router_datacenter), view)
+            if m.http.link == "wan":
+                m.index = CacheIndex()
+            self.members[inst.name] = m
         wan = spec.links[0] if spec.links else None
         self.wan = LinkEstimator.from_line(
             (wan.bandwidth_mbps if wan else 10_000.0) * 1e6, (wan.latency_ms if wan else 0.1) / 1e3
@@ -53,7 +65,8 @@ class Cluster:
         # before the first measurement.
         self.local = LinkEstimator.from_line(LOCAL_LINE_BITS_S, LOCAL_LATENCY_S)
         self.prefix_reuses = PrefixReuseCounter()
-        self.relay_budgets = RelayBudgets(self.policy)
+        self.relay_budgets = RelayBudgets(self.policy, sum(
+            i.engine.max_num_seqs for i in spec.instances if i.role == Role.RELAY))
         self.wan_up = True
 
     def kv_address(self, target: str, from_instance: str) -> Address:
@@ -67,8 +80,10 @@ class Cluster:
     # -- live load ---------------------------------------------------------------
     async def refresh(self) -> None:
         async def one(m: Member) -> None:
+            path = "/internal/stats" + (f"?{m.index.query()}" if m.index is not None else "")
+            t0 = time.monotonic()
             try:
-                s = await self.client.get(m.http.url, "/internal/stats", timeout_s=2.0)
+                s = await self.client.get(m.http.url, path, timeout_s=2.0)
             except asyncio.TimeoutError:   # busy, not dead: keep its last view
                 return
             except Exception as e:  # an unreachable instance stays in the view, marked unhealthy
@@ -76,10 +91,15 @@ class Cluster:
                 log.warning("stats from %s failed: %r", m.spec.name, e)
                 return
             m.healthy = True
-            m.answered_s = time.monotonic()
+            m.answered_s = now = time.monotonic()
+            if m.http.link == "wan":
+                self.wan.observe_rtt(now, now - t0)
+            if m.index is not None and isinstance(s.get("kv"), dict):
+                m.index.apply(s["kv"], now)
+            m.send_backlog = (s.get("kv_send_backlog") or {}).get("wan", {})
             m.view = replace(m.view, num_running=int(s["num_running"]), num_waiting=int(s["num_waiting"]),
                              kv_free_blocks=int(s["kv_free_blocks"]), kv_total_blocks=int(s["kv_total_blocks"]),
-                             step_time_s=s.get("decode_step_s"))
+                             step_time_s=s.get("decode_step_s"), prefill_tokens_s=s.get("prefill_tokens_s"))
 
         await asyncio.gather(*(one(m) for m in self.members.values()))
 
@@ -97,7 +117,24 @@ class Cluster:
         return replace(m.view, num_waiting=m.view.num_waiting + extra)
 
     # -- per request ---------------------------------------------------------------
+    def indexed(self, m: Member, now: float) -> CacheIndex | None:
+        """The member's cache index, if the last polls kept it current."""
+        if m.index is None or not m.index.fresh(now, INDEX_MAX_AGE_S):
+            return None
+        return m.index
+
     async def matched_tokens(self, names: list[str], prompt_ids: list[int]) -> dict[str, int]:
+        now = time.monotonic()
+        hashes: dict[tuple[int, bytes], list[bytes]] = {}
+        out: dict[str, int] = {}
+        for name in names:
+            index = self.indexed(self.members[name], now)
+            if index is not None:
+                key = (index.block_size, index.namespace)
+                if key not in hashes:
+                    hashes[key] = index.block_hashes(prompt_ids)
+                out[name] = index.matched_tokens(hashes[key])
+
         async def one(name: str) -> tuple[str, int]:
             m = self.members[name]
             t0 = time.monotonic()
@@ -109,12 +146,23 @@ class Cluster:
                 self.wan.observe_rtt(time.monotonic(), time.monotonic() - t0)
             return name, int(r.get("matched_tokens", 0))
 
-        return dict(await asyncio.gather(*(one(n) for n in names)))
+        asked = [n for n in names if n not in out]
+        return out | dict(await asyncio.gather(*(one(n) for n in asked)))
+
+    def landed(self, name: str, prompt_ids: list[int], num_blocks: int) -> None:
+        """A transfer put the prompt's first `num_blocks` blocks on `name`."""
+        m = self.members.get(name)
+        if m is not None and m.index is not None and m.index.block_size:
+            m.index.landed(m.index.block_hashes(prompt_ids[: num_blocks * m.index.block_size]))
 
     def view(self, matched: dict[str, int], now: float) -> ClusterView:
         members = [m for m in self.members.values() if m.healthy or m.spec.role == Role.PREFILL]
         est = self.wan.estimate(now)
         if not self.wan_up:
             est = replace(est, up=False)
+        # What P's senders still have to push over the WAN (as of the last poll).
+        backlogs = [m.send_backlog for m in self.members.values() if m.send_backlog]
+        est = replace(est, queued_bytes=float(sum(b.get("foreground", 0) for b in backlogs)),
+                      queued_background_bytes=float(sum(b.get("background", 0) for b in backlogs)))
         return ClusterView(tuple(self._view(m) for m in members), matched, est, now,
                            local=self.local.estimate(now))

@@ -104,10 +104,12 @@ def prefill_body(ctx: RequestContext, cluster: Cluster, p: Member, targets: list
             "targets": [target(cluster, p, t, ctx) for t in targets]}
 
 
-def target(cluster: Cluster, p: Member, t: Member, ctx: RequestContext) -> dict:
+def target(cluster: Cluster, p: Member, t: Member, ctx: RequestContext, background: bool = False) -> dict:
+    """Where P sends the KV; `background`: the copy yields the line to the
+    transfers a user waits on (`pdd.policy.copy_yields_line`)."""
     a = cluster.kv_address(t.spec.name, p.spec.name)
     return {"name": t.spec.name, "host": a.host, "kv_port": a.kv_port, "link": a.link,
-            "deadline_s": min(cluster.spec.kv_deadline_s, ctx.remaining_s())}
+            "deadline_s": min(cluster.spec.kv_deadline_s, ctx.remaining_s()), "background": background}
 
 
 def note_prefill(ctx: RequestContext, ev: dict) -> None:
@@ -117,25 +119,35 @@ def note_prefill(ctx: RequestContext, ev: dict) -> None:
     ctx.trace.event("prefill_end", first_token=ev.get("token"))
 
 
+def _line_s(ev: dict) -> float:
+    """A transfer's time on the line: less what it spent yielding to others
+    (background) and waiting for P to compute its blocks (streamed)."""
+    idle = float(ev.get("yielded_s") or 0.0) + float(ev.get("waited_s") or 0.0)
+    return max(float(ev["elapsed_s"]) - idle, 1e-3)
+
+
 def note_transfer(ctx: RequestContext, ev: dict, cluster: Cluster) -> None:
     link = ev.get("link", "local")
     if ev.get("ok"):
+        blocks = int(ev.get("blocks_sent") or 0) + int(ev.get("blocks_skipped") or 0)
+        cluster.landed(str(ev.get("target")), ctx.prompt_ids, blocks)
         if link == "wan":
             ctx.trace.wan_bytes += int(ev.get("payload_bytes", 0))
             if ev.get("elapsed_s"):
                 cluster.wan.observe_transfer(time.monotonic(), int(ev.get("payload_bytes", 0)),
-                                             float(ev["elapsed_s"]), float(ev.get("handshake_s") or 0.0))
+                                             _line_s(ev), float(ev.get("handshake_s") or 0.0))
         else:
             ctx.trace.local_bytes += int(ev.get("payload_bytes", 0))
             if ev.get("elapsed_s"):
                 cluster.local.observe_transfer(time.monotonic(), int(ev.get("payload_bytes", 0)),
-                                               float(ev["elapsed_s"]), float(ev.get("handshake_s") or 0.0))
+                                               _line_s(ev), float(ev.get("handshake_s") or 0.0))
         ctx.trace.kv_landed_s[ev["target"]] = ev.get("ts", time.time()) - ctx.trace.arrival_s
     elif link == "wan":
         ctx.trace.wan_bytes += int(ev.get("payload_bytes", 0))
     ctx.trace.event("kv_transfer", **{k: ev.get(k) for k in
                                       ("target", "link", "ok", "error", "payload_bytes", "blocks_sent",
-                                       "blocks_skipped", "elapsed_s")})
+                                       "blocks_skipped", "elapsed_s", "waited_s", "yielded_s",
+                                       "background")})
 
 
 async def colocated_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient) -> AsyncIterator[int]:

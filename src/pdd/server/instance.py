@@ -165,6 +165,19 @@ class InstanceServer:
         stats |= {"name": self.inst.name, "role": self.inst.role.value, "datacenter": self.inst.datacenter,
                   "max_num_seqs": self.engine.cfg.max_num_seqs,
                   "num_arrivals": len(self.arrivals), "num_jobs": len(self.jobs)}
+        if self.sender is not None:
+            stats["kv_send_backlog"] = self.sender.backlog()   # per line: bytes P still has to send
+        since = request.query.get("kv_since")
+        log = getattr(self.engine, "kv_events", None)
+        if since is not None and log is not None:
+            # The prefix cache's changes since the router's last poll (pdd.engine.kv_events).
+            try:
+                seq = int(since)
+            except ValueError:
+                raise web.HTTPBadRequest(text="kv_since must be an integer") from None
+            pool = self.engine.pool
+            stats["kv"] = log.read(seq, request.query.get("kv_epoch"), lambda: list(pool.hash_to_block)) | {
+                "block_size": self.engine.cfg.block_size, "namespace": self.engine.model_cfg.model_id}
         return web.json_response(stats)
 
     async def steps(self, request: web.Request) -> web.Response:

@@ -63,7 +63,7 @@ class PddRun:
         self.decision = d
         ctx.trace.pipeline, ctx.trace.pipeline_reason = io.Outcome.of(d).value, d.reason
         ctx.trace.event("pipeline", pipeline=d.pipeline.value, reason=d.reason,
-                        missing_bytes=d.missing_bytes, est_wan_s=d.est_wan_s)
+                        missing_bytes=d.missing_bytes, est_wan_s=d.est_wan_s, wait_s=d.wait_s)
         self.members[io.Leg.P] = c.members[d.p_id]
         return RequestLifecycle(facts, d, c.policy, c.relay_budgets, self.plan_warm(d, matched))
 
@@ -252,10 +252,10 @@ class PddRun:
     def start_prefill(self, cmd: io.StartPrefill) -> None:
         ctx, c, p = self.ctx, self.cluster, self.members[io.Leg.P]
         ctx.trace.instances["p"] = p.spec.name
-        body = prefill_body(ctx, c, p, [c.members[t.instance_id] for t in cmd.targets if not t.warm_blocks])
+        body = prefill_body(ctx, c, p, [])
         for t in cmd.targets:
-            if t.warm_blocks:
-                body["targets"].append(target(c, p, c.members[t.instance_id], ctx) | {"warm_blocks": t.warm_blocks})
+            dest = target(c, p, c.members[t.instance_id], ctx, background=t.background)
+            body["targets"].append(dest | ({"warm_blocks": t.warm_blocks} if t.warm_blocks else {}))
         self.streams.open("p", p, "/internal/prefill", body, ctx.remaining_s())
 
     def emit(self, tok: int, source: str) -> None:

@@ -1,8 +1,15 @@
-"""One request on a prefill instance: prefill, then KV to every target.
+"""One request on a prefill instance: prefill, and its KV to every target.
 
 Lifecycle:
-    PREFILLING --first token--> SENDING (one transfer per target, in parallel)
+    QUEUED --the engine schedules it--> PREFILLING: one transfer per target
+      starts and streams each block as soon as the chunk that fills it is
+      computed (what the receiver already holds is skipped, as always)
+    PREFILLING --first token--> SENDING: the transfers' END carries it
     SENDING --router: release, or all done and released--> CLOSED (KV freed)
+Streaming hides the transfer behind the prefill: a 2K-token prompt computes
+for seconds, and its first chunks' KV can be on the line meanwhile, as
+SGLang's and Mooncake's prefill servers send KV chunk by chunk. Targets added
+later (failover) and warm pushes send from the finished KV.
 The router holds the job's NDJSON stream open; while it does, P keeps the
 prompt KV, so the router can add a target (failover: re-route through RLD)
 or cancel one (the abnormal-traffic filter). Closing the stream cancels what
@@ -15,9 +22,14 @@ import asyncio
 import time
 from dataclasses import replace
 
-from pdd.engine.request import EngineRequest
+from pdd.engine.hashing import hash_blocks
+from pdd.engine.kv_codec import KVManifest
+from pdd.engine.request import EngineRequest, RequestStatus
 from pdd.server.wire import NdjsonWriter, sampling_from_dict
 from pdd.transport.kv_sender import TransferHandle
+
+
+STREAM_POLL_S = 0.01      # how often a streamed transfer looks for its next computed block
 
 
 class PrefillJob:
@@ -32,7 +44,11 @@ class PrefillJob:
         self.released = False
         self.manifest = None
         self.first_token: int | None = None
+        self.prefilled: asyncio.Future | None = None     # P's first token (streamed transfers' END)
+        self.watcher: asyncio.Task | None = None
 
+    def _streamed_targets(self) -> list[dict]:
+        return [t for t in self.targets if t.get("warm_blocks") is None]
     @classmethod
     def from_body(cls, server, body: dict) -> "PrefillJob":
         targets = list(body.get("targets", []))
@@ -48,12 +64,15 @@ class PrefillJob:
 
     async def run(self, q: asyncio.Queue, out: NdjsonWriter) -> None:
         t0 = time.time()
+        self.prefilled = asyncio.get_running_loop().create_future()
+        self.watcher = asyncio.ensure_future(self._stream_once_scheduled())
         ev = None
         while (item := await q.get()) is not None:
             ev = item
         if ev is None or ev.token_id is None:
-            await out.send({"event": "finished", "reason": "error",
-                            "error": (ev.error if ev else None) or "prefill failed", "ts": time.time()})
+            error = (ev.error if ev else None) or "prefill failed"
+            self._prefill_over(RuntimeError(f"prefill failed: {error}"))
+            await out.send({"event": "finished", "reason": "error", "error": error, "ts": time.time()})
             return
         self.first_token = ev.token_id
         # The request has finished and holds its blocks (keep_kv): nothing mutates it any
@@ -66,12 +85,67 @@ class PrefillJob:
                         "num_blocks": len(self.manifest.block_hashes), "stop": user_reason,
                         "prefill_start": t0, "ts": time.time()})
         self.server.metrics.on_prefill(len(self.prompt_ids), cached)
+        self._prefill_over(None)
         for t in self.targets:
-            self.start_transfer(t)
+            if str(t["name"]) not in self.transfers:
+                self.start_transfer(t)
         while not (self.released and not self._in_flight()):
             item = await self.events.get()
             if item is not None:
                 await out.send(item)
+
+    def _prefill_over(self, error: Exception | None) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+        f = self.prefilled
+        if f is None or f.done():
+            return
+        if error is None:
+            f.set_result(self.first_token)
+        else:
+            f.set_exception(error)
+            f.exception()      # retrieved: each streamed transfer reports it
+
+    async def _stream_once_scheduled(self) -> None:
+        """Start the streamed transfers when the engine starts on the prompt."""
+        engine = self.server.engine
+        while True:
+            req = engine.requests.get(self.request_id)
+            if req is not None and req.status is not RequestStatus.WAITING:
+                break
+            await asyncio.sleep(STREAM_POLL_S)
+        for t in self._streamed_targets():
+            if str(t["name"]) not in self.transfers:
+                self.start_stream(t)
+
+    def start_stream(self, target: dict) -> None:
+        """A transfer of the prompt's full blocks while they are computed."""
+        engine = self.server.engine
+        bs = engine.cfg.block_size
+        nblk = len(self.prompt_ids) // bs
+        hashes = hash_blocks(self.prompt_ids, bs, engine.model_cfg.model_id.encode())
+        manifest = KVManifest(engine.layout, tuple(self.prompt_ids[: nblk * bs]), tuple(hashes))
+        rid, read = self.request_id, engine.runner.read_block
+
+        async def block(i: int) -> bytes:
+            need = (i + 1) * bs
+            while True:
+                req = engine.requests.get(rid)
+                if req is None or (self.prefilled.done() and self.prefilled.exception() is not None):
+                    raise RuntimeError("the prefill ended before its KV was complete")
+                gen = req.num_preemptions
+                if req.num_computed_tokens >= need and len(req.block_ids) > i:
+                    data = read(req.block_ids[i])
+                    # Read while the engine thread runs: valid only if the request
+                    # kept its blocks throughout (no preemption in between).
+                    if req.num_preemptions == gen and req.num_computed_tokens >= need:
+                        return data
+                await asyncio.sleep(STREAM_POLL_S)
+
+        async def finish() -> dict:
+            return {"first_token": await asyncio.shield(self.prefilled)}
+
+        self._send(target, manifest, rid, {}, block, finish)
 
     def _in_flight(self) -> bool:
         return any(not h.done for h in self.transfers.values())
@@ -79,7 +153,6 @@ class PrefillJob:
     def start_transfer(self, target: dict) -> None:
         if self.manifest is None:
             raise RuntimeError("prefill has not finished")
-        name = str(target["name"])
         req = self.server.engine.requests[self.request_id]
         block_ids = list(req.block_ids)
         read = self.server.engine.runner.read_block
@@ -89,23 +162,32 @@ class PrefillJob:
             # request there will consume it under this request's id.
             manifest = manifest.prefix(int(target["warm_blocks"]))
             rid, extra = f"{self.request_id}.warm", {"warm": True}
-        meta = manifest.to_meta() | {"first_token": self.first_token} | extra
+        meta = {"first_token": self.first_token} | extra
+        self._send(target, manifest, rid, meta, lambda i: read(block_ids[i]), None)
+
+    def _send(self, target: dict, manifest: KVManifest, rid: str, meta: dict, get_block, finish) -> None:
+        name = str(target["name"])
         handle = self.server.sender.send(
-            str(target["host"]), int(target["kv_port"]), rid, meta,
-            list(manifest.block_hashes), lambda i: read(block_ids[i]),
+            str(target["host"]), int(target["kv_port"]), rid, manifest.to_meta() | meta,
+            list(manifest.block_hashes), get_block,
             deadline_s=float(target.get("deadline_s", self.server.spec.kv_deadline_s)),
+            line=str(target.get("link", "local")), background=bool(target.get("background", False)),
+            finish=finish, block_bytes=self.server.engine.layout.block_bytes,
         )
         self.transfers[name] = handle
-        asyncio.get_running_loop().create_task(self._report(name, target.get("link", "local"), handle))
+        asyncio.get_running_loop().create_task(self._report(name, target.get("link", "local"), handle,
+                                                               bool(target.get("background", False))))
 
-    async def _report(self, name: str, link: str, handle: TransferHandle) -> None:
+    async def _report(self, name: str, link: str, handle: TransferHandle, background: bool) -> None:
         st = await handle.wait()
         self.server.metrics.on_kv_sent(link, st)
         await self.events.put({
             "event": "transfer", "target": name, "link": link, "ok": st.ok, "error": st.error or None,
             "payload_bytes": st.payload_bytes, "bytes_sent": st.bytes_sent,
             "blocks_sent": st.num_blocks_sent, "blocks_skipped": st.num_blocks_skipped,
-            "elapsed_s": st.elapsed_s, "handshake_s": st.handshake_s, "ts": time.time(),
+            "elapsed_s": st.elapsed_s, "handshake_s": st.handshake_s, "yielded_s": st.yielded_s,
+            "waited_s": st.waited_s,
+            "background": background, "ts": time.time(),
         })
 
     def cancel_transfer(self, name: str, reason: str) -> None:
@@ -118,6 +200,7 @@ class PrefillJob:
         self.events.put_nowait(None)
 
     async def close(self) -> None:
+        self._prefill_over(RuntimeError("prefill job closed"))
         for h in self.transfers.values():
             h.cancel("prefill job closed")
         rid = self.request_id

@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--request-overhead-ms", type=float, default=None,
                    help="router work before a request reaches P")
     r.add_argument("--loopback-mbps", type=float, default=None, help="local KV link")
+    r.add_argument("--no-stream-kv", action="store_true",
+                   help="P sends KV after the whole prefill (runs recorded before it streamed)")
     r.add_argument("--no-jitter", action="store_true",
                    help="step times exactly as fitted, without the measured scatter")
     r.add_argument("--jitter-seed", type=int, default=0, help="seed of the step-time jitter")
@@ -101,7 +103,8 @@ def _options(args):
         o = dataclasses.replace(o, request_s=args.request_overhead_ms / 1e3)
     if args.loopback_mbps is not None:
         o = dataclasses.replace(o, loopback_gbps=args.loopback_mbps / 1e3)
-    return dataclasses.replace(o, step_jitter=not args.no_jitter, seed=args.jitter_seed)
+    return dataclasses.replace(o, step_jitter=not args.no_jitter, seed=args.jitter_seed,
+                               stream_kv=not args.no_stream_kv)
 
 
 def _calibration(args):

@@ -107,11 +107,13 @@ class Cluster(TransfersMixin, DecodersMixin):
         self.md_link = self._link_name(p_dc, md_dc) if p_dc and md_dc else None
         self.p_link = f"rdma-{p_dc}" if p_dc else None      # P -> RLD
         self.prefix_reuses = PrefixReuseCounter()
-        self.relay_budgets = RelayBudgets(self.cfg)
+        self.relay_budgets = RelayBudgets(self.cfg, sum(
+            i.max_batch for i in self.instances.values() if i.role is Role.RELAY))
         # flow id -> (request, "rld" | "md", destination id, start time, bytes, link name)
         self.flows: dict[str, tuple[SimRequest, str, str, float, int, str]] = {}
         self.flow_steps: dict[str, int] = {}      # flow id -> receiver's step count at its start
         self.flow_handshake: dict[str, float] = {}   # flow id -> BEGIN..HAVE seconds
+        self.flow_yielded: dict[str, float] = {}     # flow id -> seconds it yielded the line
         self.flow_waiters: dict[str, list] = {}      # flow id -> callbacks when it ends (landed or cancelled)
         self.flow_begun: set[str] = set()            # flows whose BEGIN the receiver has taken
         self.pending: dict[str, list] = {iid: [] for iid in self.instances}
@@ -125,11 +127,21 @@ class Cluster(TransfersMixin, DecodersMixin):
         self.router_delay_s = 0.0
         sv = mode.serving
         self.manifest_wait = sv is not None and sv.manifest_after_step
+        # P streams each block as its chunk is computed (the servers do):
+        # transfers start with the prefill; one that has crossed lands only
+        # after the prefill and its last chunk's bytes.
+        self.stream_kv = sv is not None and sv.stream_kv and not self.manifest_wait
+        self.after_prefill: dict[str, list] = {}     # request id -> flows done before its prefill
+        for inst in self.instances.values():
+            inst.streams_kv = self.stream_kv
         self.import_wait = sv.import_wait if sv is not None else "none"
         if sv is not None:
             for inst in self.instances.values():
                 inst.deliver_s = sv.token_s + self._one_way_dc(sv.router_datacenter, inst.datacenter)
-            asked = [i for i in self.instances.values() if i.role in (Role.PREFILL, Role.MAIN, Role.RELAY)]
+            # The router asks the instances of its own datacenter; those across
+            # the WAN it reads from its index of their caches (no round trip).
+            asked = [i for i in self.instances.values() if i.role in (Role.PREFILL, Role.MAIN, Role.RELAY)
+                     and i.datacenter == sv.router_datacenter]
             rtt = max((2 * self._one_way_dc(sv.router_datacenter, i.datacenter) for i in asked),
                       default=0.0)
             self.router_delay_s = sv.request_s + (rtt if sv.match_round_trip else 0.0)
@@ -173,6 +185,9 @@ class Cluster(TransfersMixin, DecodersMixin):
         evs = self._run_pending(inst, now)
         t = inst.start_step(now)
         evs += self._on_admitted(inst, now)
+        if self.stream_kv and inst.role is Role.PREFILL:
+            for job in inst.first_chunks():
+                evs += self._on_prefill_started(inst, job, now)
         if t is None:
             for fn in inst.pop_waiters():      # an idle engine runs commands at once
                 evs += fn(now)
@@ -231,6 +246,10 @@ class Cluster(TransfersMixin, DecodersMixin):
         wan = self.estimators[self.md_link].estimate(now) if self.md_link else None
         if wan is not None and not self.links[self.md_link].up:
             wan = dataclasses.replace(wan, up=False)
+        if wan is not None:
+            # What P still has to push over the line, as its servers report it.
+            fg, bg = self.links[self.md_link].queued_bytes(now)
+            wan = dataclasses.replace(wan, queued_bytes=fg, queued_background_bytes=bg)
         local = self.estimators.get(self.p_link) if self.p_link else None
         view = ClusterView(tuple(i.view() for i in insts), matched, wan, now,
                            local=local.estimate(now) if local is not None else None)
@@ -320,6 +339,11 @@ class Cluster(TransfersMixin, DecodersMixin):
         d = req.decision
         req.prefill_done_s = now
         req.p_blocks, req.p_shared = job.num_blocks, job.shared
+        if req.streamed:
+            evs = self._transfer(req, "warm", p, self.instances[d.md_id], now,
+                                 blocks=req.warm_blocks) if req.warm_blocks else []
+            return evs + self._tails_after_prefill(req, job, now)
+
         def send(t: float) -> list[Event]:
             evs: list[Event] = []
             # Only what the receiver lacks at its HAVE answer travels.
@@ -335,6 +359,20 @@ class Cluster(TransfersMixin, DecodersMixin):
             p.wait_boundaries(1, send)     # the KV manifest is read after P's next step
             return []
         return send(now)
+
+
+    def _on_prefill_started(self, p: SimInstance, job: Job, now: float) -> list[Event]:
+        """P starts on the prompt: its transfers start streaming."""
+        req, d = job.req, job.req.decision
+        if p.role is not Role.PREFILL or d is None or req.streamed:
+            return []
+        req.streamed = True
+        evs: list[Event] = []
+        if d.rld_id is not None:
+            evs += self._transfer(req, "rld", p, self.instances[d.rld_id], now)
+        if d.start_wan:
+            evs += self._transfer(req, "md", p, self.instances[d.md_id], now)
+        return evs
 
 
 def _bytes(gbps: float | None) -> float | None:

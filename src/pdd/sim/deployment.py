@@ -27,8 +27,9 @@ core pinning and price; the links' bandwidth, latency, jitter and price; the
   its last byte lands; only the decode call's submit waits for the step
   under way (`import_wait="submit"`; "batch": one import command per step
   boundary, as the server did before the pool lock; "block": one block per
-  step; "none"); optionally (`manifest_after_step`, as the
-  server did before) P starts sending only after its next step;
+  step; "none"); P streams each block as soon as its chunk is computed
+  (`stream_kv`; off: it sends after the prefill, as the server did before;
+  `manifest_after_step`: only after its next step, as it did before that);
 * serving overheads around the engines (`ServingOverheads`): the router's
   own latency, each streamed token's trip to the user, prefix-match round
   trips in PDD, and instances pinned to one core sharing it.
@@ -59,6 +60,7 @@ class RuntimeOptions:
     token_s: float = 0.003              # instance NDJSON -> router SSE -> client, per token
     manifest_after_step: bool = False   # P reads the KV manifest only after its next step (the server did until it read it at once)
     import_wait: str = "submit"         # none | submit (as the server: only the decode submit waits a step) | batch | block
+    stream_kv: bool = True              # P streams blocks as it computes them (the server today; False: as before)
     measured_wan_rate: bool = False     # cap one WAN transfer at the KV rate P measured (tried, off: see docs/SIMULATOR.md)
     step_jitter: bool = True            # draw step times about the fit with the calibration's measured scatter
     seed: int = 0                       # of that jitter
@@ -156,7 +158,7 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
     match = DeployRole.MAIN in roles or (DeployRole.COLOCATED in roles and len(spec.instances) > 1)
     serving = ServingOverheads(spec.router_datacenter, opts.request_s, opts.token_s, match,
                                manifest_after_step=opts.manifest_after_step,
-                               import_wait=opts.import_wait)
+                               import_wait=opts.import_wait, stream_kv=opts.stream_kv)
     return ModeSpec(name or spec.name, tuple(pools), PolicyConfig.from_dict(spec.policy), rdma,
                     wan, serving, seed=opts.seed,
                     core_sharing=calibration.core_sharing if calibration is not None else 1.0)

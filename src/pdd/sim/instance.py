@@ -39,7 +39,7 @@ class JobKind(Enum):
 
 class Job:
     __slots__ = ("req", "kind", "num_tokens", "done", "ctx_start", "num_blocks", "started", "data",
-                 "shared")
+                 "shared", "last_chunk")
 
     def __init__(self, req: SimRequest, kind: JobKind, num_tokens: int, ctx_start: int,
                  num_blocks: int, data=None) -> None:
@@ -50,6 +50,7 @@ class Job:
         self.started = num_blocks == 0
         self.data = data
         self.shared: list[int] = []
+        self.last_chunk = 0          # tokens of its latest chunk (a streamed transfer's tail)
 
 
 class Seq:
@@ -116,6 +117,8 @@ class SimInstance:
         self.busy = False
         self.at_boundary = False             # between two steps, running what waited for it
         self.step_time_s: float | None = None
+        self.prefill_tokens_s: float | None = None   # measured as the engine does (stats)
+        self.streams_kv = False      # P sends blocks while it computes (set by the cluster)
         self.busy_s = 0.0
         self.num_steps = 0
         self._start = 0.0
@@ -192,7 +195,8 @@ class SimInstance:
             num_running=len(self.decoding) + len(self.parked) + started,
             num_waiting=len(self.waiting) + len(self.jobs) - started,
             max_batch=self.max_batch, kv_free_blocks=self.free_blocks,
-            kv_total_blocks=self.kv_blocks, step_time_s=self.step_time_s)
+            kv_total_blocks=self.kv_blocks, step_time_s=self.step_time_s,
+            prefill_tokens_s=self.prefill_tokens_s, chunk_tokens=self.token_budget if self.streams_kv else 0)
 
     # --- stepping ---------------------------------------------------------
     def _admit(self) -> None:
@@ -285,6 +289,10 @@ class SimInstance:
         self.version += 1
         return times[-1]
 
+    def first_chunks(self) -> list[Job]:
+        """Prefill jobs whose first chunk the step under way computes."""
+        return [job for job, _ in self._chunks if job.kind is JobKind.PREFILL and job.done == 0]
+
     def _start_job(self, job: Job) -> bool:
         if job.kind is JobKind.PREFILL and self.cache is not None:
             self._rematch(job)
@@ -346,6 +354,7 @@ class SimInstance:
         for job, c in self._chunks:
             before = (job.ctx_start + job.done) // self.block_size
             job.done += c
+            job.last_chunk = c
             if job.done >= job.num_tokens:
                 out.jobs_done.append(job)
             if job.kind is JobKind.PREFILL and self.cache is not None:
@@ -367,6 +376,11 @@ class SimInstance:
         if out.jobs_done:
             done = set(map(id, out.jobs_done))
             self.jobs = deque(j for j in self.jobs if id(j) not in done)
+        n_pre = sum(c for _, c in self._chunks)
+        if n_pre and now > self._start:
+            rate = n_pre / (now - self._start)
+            self.prefill_tokens_s = rate if self.prefill_tokens_s is None else (
+                self.prefill_tokens_s + 0.2 * (rate - self.prefill_tokens_s))
         if self._batch:
             if not self._chunks:
                 per = (now - self._start) / k

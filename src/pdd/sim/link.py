@@ -12,6 +12,12 @@ The same class times the steps of engines that time-slice one CPU core (a
 the fraction of the capacity left when two or more flows share it, since
 processes that share a core also lose time to switching between them.
 
+Background flows (`pdd.policy.copy_yields_line`) yield: while any
+foreground flow is active they get nothing, as the servers' senders pause
+them (`pdd.transport.priority`), and among themselves they go one at a
+time, fewest bytes left first; the time they wait is kept per flow
+(`yielded_s`), for the estimator, as the real sender reports it.
+
 A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow;
 the caller delays `add` by `rtt_s`, which keeps this class about bandwidth
 only.
@@ -29,6 +35,8 @@ class Flow:
     num_bytes: float
     remaining: float
     started_s: float
+    background: bool = False
+    yielded_s: float = 0.0
 
 
 class Link:
@@ -49,8 +57,17 @@ class Link:
         self._last_s = 0.0
         self.bytes_delivered = 0.0
 
+    def _sharing(self) -> list[Flow]:
+        """The flows that get the line now: the foreground ones; else the
+        background one with the fewest bytes left (the servers' senders take
+        background copies one at a time, shortest first)."""
+        fg = [f for f in self.flows.values() if not f.background]
+        if fg or not self.flows:
+            return fg
+        return [min(self.flows.values(), key=lambda f: (f.remaining, f.started_s))]
+
     def rate_per_flow(self) -> float:
-        n = len(self.flows)
+        n = len(self._sharing())
         if not n:
             return 0.0
         total = self.bandwidth_bytes_s * (self.shared_efficiency if n > 1 else 1.0)
@@ -61,24 +78,45 @@ class Link:
             raise ValueError(f"{self.name}: time went backwards")
         dt = now - self._last_s
         if dt > 0 and self.flows:
+            sharing = self._sharing()
             drained = dt * self.rate_per_flow()
+            ids = {f.flow_id for f in sharing}
             for f in self.flows.values():
-                f.remaining = max(f.remaining - drained, 0.0)
+                if f.flow_id in ids:
+                    f.remaining = max(f.remaining - drained, 0.0)
+                else:
+                    f.yielded_s += dt
         self._last_s = max(now, self._last_s)
 
     def _next(self) -> tuple[float, int] | None:
         self.version += 1
         if not self.flows:
             return None
-        least = min(f.remaining for f in self.flows.values())
+        least = min(f.remaining for f in self._sharing())
         return self._last_s + least / self.rate_per_flow(), self.version
 
-    def add(self, now: float, flow_id: str, num_bytes: float) -> tuple[float, int] | None:
+    def add(self, now: float, flow_id: str, num_bytes: float,
+            background: bool = False) -> tuple[float, int] | None:
         """Start pushing bytes; returns (time of next completion, version)."""
         if flow_id in self.flows:
             raise ValueError(f"{self.name}: flow {flow_id} already active")
         self._advance(now)
-        self.flows[flow_id] = Flow(flow_id, float(num_bytes), float(num_bytes), now)
+        self.flows[flow_id] = Flow(flow_id, float(num_bytes), float(num_bytes), now, background)
+        return self._next()
+
+    def queued_bytes(self, now: float) -> tuple[float, float]:
+        """Bytes still to cross: (foreground, background)."""
+        self._advance(now)
+        fg = sum(f.remaining for f in self.flows.values() if not f.background)
+        return fg, sum(f.remaining for f in self.flows.values() if f.background)
+
+    def promote(self, now: float, flow_id: str) -> tuple[float, int] | None:
+        """A background flow becomes foreground (a foreground transfer waits on it)."""
+        f = self.flows.get(flow_id)
+        if f is None or not f.background:
+            return None
+        self._advance(now)
+        f.background = False
         return self._next()
 
     def cancel(self, now: float, flow_id: str) -> tuple[float, int] | None:
@@ -102,9 +140,15 @@ class Link:
         return done, self._next()
 
     def remaining_s(self, flow_id: str, now: float) -> float:
-        """Estimated seconds until `flow_id` ends at today's share."""
+        """Estimated seconds until `flow_id` ends at today's shares (a background
+        flow first waits for the foreground ones)."""
         self._advance(now)
         f = self.flows.get(flow_id)
         if f is None:
             return 0.0
-        return f.remaining / self.rate_per_flow()
+        if not f.background:
+            return f.remaining / self.rate_per_flow()
+        # Behind the foreground flows and the shorter background ones.
+        ahead = sum(g.remaining for g in self.flows.values()
+                    if not g.background or (g.remaining, g.started_s) < (f.remaining, f.started_s))
+        return (ahead + f.remaining) / min(self.bandwidth_bytes_s, self.max_flow_bytes_s)

@@ -52,7 +52,7 @@ class SimRequest:
                  "uncached_kv_bytes", "pipeline", "handoff_mode", "done_s", "failed",
                  "error", "decision", "session", "p_id", "rld_seq", "md_seq", "wan_flow",
                  "p_blocks", "p_shared", "warm_blocks", "pending_transfers", "ended_on_rld", "last_delay_s",
-                 "prefill_done_s", "md_ready_pending")
+                 "prefill_done_s", "md_ready_pending", "streamed")
 
     def __init__(self, spec: RequestSpec, stride: int = 1) -> None:
         self.spec = spec
@@ -83,8 +83,9 @@ class SimRequest:
         self.pending_transfers = 0
         self.ended_on_rld = False
         self.last_delay_s = 0.0
-        self.prefill_done_s = 0.0
+        self.prefill_done_s: float | None = None   # when P finished the prompt
         self.md_ready_pending = None      # MD ready before RLD's first token: run on it
+        self.streamed = False             # its KV left P while the prefill ran (streamed transfers)
 
     @property
     def finished(self) -> bool:

@@ -104,8 +104,8 @@ class ServingOverheads:
     The router sits in `router_datacenter`; every token travels from its
     instance to the router (one-way link latency) and through two HTTP
     streams (`token_s`); before routing, the router spends `request_s` and,
-    in PDD, asks P and MD for their cached prefixes (one round trip to the
-    farthest). Steps of instances pinned to one core time-slice that core.
+    in PDD, asks the instances of its own datacenter for their cached
+    prefixes (one local round trip; MD's come from its index, no WAN trip). Steps of instances pinned to one core time-slice that core.
     KV calls may wait for engine step boundaries (`manifest_after_step`,
     `import_wait`).
     """
@@ -124,6 +124,9 @@ class ServingOverheads:
     # block per step); "none".
     manifest_after_step: bool = False
     import_wait: str = "none"
+    # P streams each block to its receivers as soon as its chunk is computed
+    # (the server today); False: it sends after the whole prefill (before).
+    stream_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.import_wait not in ("none", "submit", "batch", "block"):

@@ -17,7 +17,7 @@ has ended.
 
 from __future__ import annotations
 
-from pdd.policy import wait_for_siblings
+from pdd.policy import copy_yields_line, wait_for_siblings
 from pdd.sim.instance import SimInstance
 from pdd.sim.loop import Event, EventKind
 from pdd.sim.request import SimRequest
@@ -45,7 +45,8 @@ class TransfersMixin:
             nb = self._lacking_bytes(req, dst, blocks)     # the receiver's HAVE, as of now
             entry = self.flows[flow_id]
             self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
-            nxt = link.add(t, flow_id, nb)
+            background = kind in ("md", "warm") and copy_yields_line(req.decision, kind == "warm", self.cfg)
+            nxt = link.add(t, flow_id, nb, background)
             return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
 
         def have(t: float) -> list[Event]:     # BEGIN reached the receiver
@@ -53,6 +54,14 @@ class TransfersMixin:
                 return []
             back = lambda t2: [self._later(link.rtt_s / 2, name, join)]
             siblings = self._siblings_bringing(flow_id, req, dst, blocks)
+            promoted = []
+            if siblings:
+                # A transfer waits on them: they stop yielding (the servers'
+                # senders do the same for copies that bring its blocks).
+                for sib in siblings:
+                    nxt = link.promote(t, sib) if sib in link.flows else None
+                    if nxt:
+                        promoted.append(Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1]))
             if siblings:
                 # As the receiver: HAVE only once those transfers have ended.
                 left = [len(siblings)]
@@ -62,7 +71,7 @@ class TransfersMixin:
                     return back(t2) if left[0] == 0 and flow_id in self.flows else []
                 for sib in siblings:
                     self.flow_waiters.setdefault(sib, []).append(one_ended)
-                return []
+                return promoted
             self.flow_begun.add(flow_id)       # its blocks now count as on their way
             if self.import_wait not in ("batch", "block") or not dst.busy:
                 return back(t)
@@ -116,22 +125,46 @@ class TransfersMixin:
         done, nxt = link.complete(ev.time, ev.data)
         evs = [Event(nxt[0], EventKind.TRANSFER_DONE, ev.key, nxt[1])] if nxt else []
         for flow in done:
-            dst = self.instances[self.flows[flow.flow_id][2]]
-            landed = self._landed(flow.flow_id, ev.key)
-            started = self.flow_steps.get(flow.flow_id, dst.num_steps)
-            if self.import_wait in ("batch", "block") and dst.busy:
-                if self.import_wait == "batch":
-                    # The last batch goes in at the end of the step under way.
-                    waits = 1
-                else:
-                    # One import command per block (plus BEGIN), one per step of a
-                    # busy receiver; those that ran while bytes flowed are done.
-                    blocks = -(-flow.num_bytes // (self.block_size * self.model.kv_bytes_per_token))
-                    waits = max(1, int(blocks) + 1 - (dst.num_steps - started))
-                dst.wait_boundaries(waits, landed)
-                evs += self._kick(dst, ev.time)   # busy: a macro step ends at the next boundary
+            self.flow_yielded[flow.flow_id] = flow.yielded_s
+            req = self.flows[flow.flow_id][0]
+            if req.streamed and req.prefill_done_s is None:
+                # Streamed ahead of P: the last chunk's blocks are not computed yet.
+                self.after_prefill.setdefault(req.spec.request_id, []).append((flow, ev.key))
+                continue
+            evs += self._arrive(flow, ev.key, ev.time)
+        return evs
+
+    def _tails_after_prefill(self, req: SimRequest, job, now: float) -> list[Event]:
+        """The prefill is over: streamed transfers that kept pace land once the
+        last chunk's blocks have crossed."""
+        evs: list[Event] = []
+        for flow, name in self.after_prefill.pop(req.spec.request_id, []):
+            link = self.links[name]
+            tail = min(flow.num_bytes, job.last_chunk * self.model.kv_bytes_per_token)
+            delay = tail / link.bandwidth_bytes_s + link.rtt_s / 2
+            self.flow_yielded[flow.flow_id] += now + delay - self.loop.now   # waited for P, not the line
+            evs.append(self._later(delay, name, lambda t, f=flow, n=name: self._arrive(f, n, t)))
+        return evs
+
+    def _arrive(self, flow, link_name: str, now: float) -> list[Event]:
+        """A transfer's last byte is at its receiver."""
+        evs: list[Event] = []
+        dst = self.instances[self.flows[flow.flow_id][2]]
+        landed = self._landed(flow.flow_id, link_name)
+        started = self.flow_steps.get(flow.flow_id, dst.num_steps)
+        if self.import_wait in ("batch", "block") and dst.busy:
+            if self.import_wait == "batch":
+                # The last batch goes in at the end of the step under way.
+                waits = 1
             else:
-                evs += landed(ev.time)
+                # One import command per block (plus BEGIN), one per step of a
+                # busy receiver; those that ran while bytes flowed are done.
+                blocks = -(-flow.num_bytes // (self.block_size * self.model.kv_bytes_per_token))
+                waits = max(1, int(blocks) + 1 - (dst.num_steps - started))
+            dst.wait_boundaries(waits, landed)
+            evs += self._kick(dst, now)   # busy: a macro step ends at the next boundary
+        else:
+            evs += landed(now)
         return evs
 
     def _landed(self, flow_id: str, link_name: str):
@@ -141,7 +174,9 @@ class TransfersMixin:
                 return []       # cancelled while its blocks were being imported
             req, kind, dst_id, start, num_bytes, _ = self.flows.pop(flow_id)
             self.flow_steps.pop(flow_id, None)
-            self.estimators[link_name].observe_transfer(now, num_bytes, now - start,
+            # Time spent yielding the line to foreground flows is not its speed.
+            elapsed = now - start - self.flow_yielded.pop(flow_id, 0.0)
+            self.estimators[link_name].observe_transfer(now, num_bytes, max(elapsed, 1e-6),
                                                         self.flow_handshake.pop(flow_id, 0.0))
             if link_name == "wan":
                 req.wan_bytes += num_bytes

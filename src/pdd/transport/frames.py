@@ -16,6 +16,7 @@ silently wrong KV. Payloads (big-endian):
     HAVE       n u32 | bitmap, ceil(n/8) bytes, bit i (LSB first) = receiver holds block i
     BLOCK      index u32 | hash (16) | payload
     END        number of BLOCK frames u32 (sender: sent; receiver's ack: received)
+               [| meta JSON: what the sender learnt while streaming, e.g. P's first token]
     ERROR      utf8 message
     CANCEL     utf8 reason
 """
@@ -107,6 +108,7 @@ class Block(_Frame):
 @dataclass
 class End(_Frame):
     num_blocks: int
+    meta: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -169,8 +171,9 @@ def encode_block(index: int, block_hash: bytes, payload: bytes,
     return encode_frame(FrameType.BLOCK, head + bytes(payload), max_frame_bytes)
 
 
-def encode_end(num_blocks: int) -> bytes:
-    return encode_frame(FrameType.END, struct.pack(">I", num_blocks))
+def encode_end(num_blocks: int, meta: dict | None = None) -> bytes:
+    tail = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
+    return encode_frame(FrameType.END, struct.pack(">I", num_blocks) + tail)
 
 
 def encode_error(message: str) -> bytes:
@@ -284,7 +287,11 @@ def _parse(ftype: int, body: memoryview) -> Frame:
             bitmap = _exact(data[4:], (n + 7) // 8, "HAVE bitmap")
             return Have(n, {i for i in range(n) if bitmap[i >> 3] >> (i & 7) & 1})
         if kind == FrameType.END:
-            return End(struct.unpack(">I", data)[0])
+            (n,) = struct.unpack_from(">I", data, 0)
+            meta = json.loads(data[4:]) if len(data) > 4 else {}
+            if not isinstance(meta, dict):
+                raise ValueError("END meta must be a JSON object")
+            return End(n, meta)
         if kind == FrameType.ERROR:
             return Error(data.decode(errors="replace"))
         return Cancel(data.decode(errors="replace"))

@@ -225,6 +225,7 @@ class KVReceiver:
                 elif isinstance(frame, End):
                     if missing:
                         raise _TransferFailed(f"END after {status.num_blocks_sent} blocks, {len(missing)} still missing")
+                    status.meta.update(frame.meta)   # learnt while streaming (P's first token)
                     status.succeed(time.monotonic())
                     await self._finish(status)
                     stream.write(encode_end(status.num_blocks_sent))

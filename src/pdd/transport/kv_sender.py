@@ -33,6 +33,7 @@ from typing import Awaitable, Callable, Sequence, Union
 
 from pdd.engine.kv_codec import BLOCK_DIGEST, seal_block
 from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, client_handshake
+from pdd.transport.priority import SLICE_BYTES, LineGate, limit_unsent
 from pdd.transport.frames import (
     DEFAULT_MAX_FRAME_BYTES, End, Error, FrameError, Have, encode_begin, encode_block, encode_cancel, encode_end,
 )
@@ -61,6 +62,14 @@ class TransferHandle:
         self.request_id = status.request_id
         self.task: asyncio.Task | None = None
         self.cancel_reason: str | None = None
+        self.holds_line: str | None = None     # foreground on this line until its blocks are written
+        self.line: str | None = None
+        self.background = False
+        self.block_bytes = 0                   # a block's payload size, for the backlog (0: unknown)
+
+    def bytes_left(self) -> int:
+        st = self.status
+        return max(st.num_blocks - st.num_blocks_skipped - st.num_blocks_sent, 0) * self.block_bytes
 
     def poll(self) -> TransferStatus:
         return self.status.copy()
@@ -105,22 +114,48 @@ class KVSender:
         self._idle: dict[tuple[str, int], list[tuple[FrameStream, float]]] = {}
         self._handshakes: dict[tuple[str, int], asyncio.Semaphore] = {}
         self._active: set[TransferHandle] = set()
+        self.gate = LineGate()
+        # Transfers waiting for HAVE, per receiver, with their block hashes: a
+        # receiver holds HAVE back while another transfer brings it the same
+        # blocks, so a background copy that carries blocks a waiting transfer
+        # needs must not yield meanwhile (priority inheritance).
+        self._awaiting_have: dict[tuple[str, int], list[frozenset]] = {}
 
     def send(self, host: str, port: int, request_id: str, meta: dict, block_hashes: list[bytes],
-             get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S) -> TransferHandle:
-        """Starts the transfer as a task of the running loop and returns at once."""
+             get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S, *,
+             line: str | None = None, background: bool = False,
+             finish: Callable[[], Awaitable[dict]] | None = None, block_bytes: int = 0) -> TransferHandle:
+        """Starts the transfer as a task of the running loop and returns at once.
+        `line` names the link it crosses; on it a `background` transfer yields to
+        the others (`pdd.transport.priority`). No line: no priority.
+        Streaming: `get_block` may wait until a block exists, and `finish`, when
+        given, is awaited after the last block; what it returns travels in END
+        (P's first token, known only once the prefill is over)."""
         status = TransferStatus(request_id, num_blocks=len(block_hashes), started_s=time.monotonic(), meta=dict(meta))
         handle = TransferHandle(status)
+        handle.line, handle.background, handle.block_bytes = line, background, block_bytes
         if not callable(get_block):
             blocks = get_block
             if len(blocks) != len(block_hashes):
                 raise ValueError(f"{len(blocks)} blocks for {len(block_hashes)} hashes")
             get_block = blocks.__getitem__
         handle.task = asyncio.get_running_loop().create_task(
-            self._run(handle, host, port, meta, list(block_hashes), get_block, deadline_s))
+            self._run(handle, host, port, meta, list(block_hashes), get_block, deadline_s, line, background,
+                      finish))
         self._active.add(handle)
         handle.task.add_done_callback(lambda _t: self._active.discard(handle))
         return handle
+
+    def backlog(self) -> dict[str, dict[str, int]]:
+        """Bytes still to send per line, foreground and background (from the
+        block sizes the callers gave), for the router's line estimate."""
+        out: dict[str, dict[str, int]] = {}
+        for h in list(self._active):
+            if h.line is None or h.done:
+                continue
+            per = out.setdefault(h.line, {"foreground": 0, "background": 0})
+            per["background" if h.background else "foreground"] += h.bytes_left()
+        return out
 
     async def close(self) -> None:
         """Cancels transfers in flight and drops pooled connections."""
@@ -133,7 +168,7 @@ class KVSender:
                 stream.abort()
         self._idle.clear()
 
-    async def _acquire(self, host: str, port: int) -> FrameStream:
+    async def _acquire(self, host: str, port: int, line: str | None = None) -> FrameStream:
         conns = self._idle.get((host, port), [])
         now = time.monotonic()
         while conns:
@@ -146,7 +181,10 @@ class KVSender:
         if turn is None:
             turn = self._handshakes[(host, port)] = asyncio.Semaphore(self.max_handshakes_per_peer)
         async with turn:
-            return await self._connect(host, port)
+            stream = await self._connect(host, port)
+        if line not in (None, "local"):
+            limit_unsent(stream.writer)
+        return stream
 
     async def _connect(self, host: str, port: int) -> FrameStream:
         peer = self.tls(host, port) if self.tls is not None else None
@@ -185,20 +223,72 @@ class KVSender:
         else:
             stream.writer.close()  # graceful: nothing is left to flush after the END ack
 
+    async def _read_have(self, stream: FrameStream, dest: tuple[str, int], hashes: list[bytes]):
+        waiting = self._awaiting_have.setdefault(dest, [])
+        mine = frozenset(hashes)
+        waiting.append(mine)
+        try:
+            return await stream.read_frame(None)
+        finally:
+            waiting.remove(mine)
+            if not waiting:
+                del self._awaiting_have[dest]
+
+    def _awaited(self, dest: tuple[str, int], last_hash: bytes) -> bool:
+        """A transfer to `dest` waits for HAVE and needs this copy's blocks."""
+        return any(last_hash in w for w in self._awaiting_have.get(dest, ()))
+
+    async def _write_block(self, stream: FrameStream, frame: bytes, line: str | None, background: bool,
+                           status: TransferStatus, dest: tuple[str, int], last_hash: bytes) -> None:
+        """One BLOCK frame: whole, or (background) in slices, each after the
+        foreground transfers on the line are through."""
+        if line is None or not background:
+            status.bytes_sent += stream.write(frame)
+            await stream.drain()
+            return
+        view = memoryview(frame)
+        key = id(status)
+        left = status.num_blocks - status.num_blocks_skipped - status.num_blocks_sent + 1
+        for off in range(0, len(frame), SLICE_BYTES):
+            held = not self._awaited(dest, last_hash)
+            if held:
+                status.yielded_s += await self.gate.turn(line, key, left)
+            try:
+                status.bytes_sent += stream.write(view[off:off + SLICE_BYTES])
+                await stream.drain()
+            finally:
+                if held:
+                    self.gate.release(line, key)
+
     async def _run(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
-                   get_block: Callable, deadline_s: float) -> None:
+                   get_block: Callable, deadline_s: float, line: str | None = None,
+                   background: bool = False, finish: Callable | None = None) -> None:
+        try:
+            await self._transfer(handle, host, port, meta, hashes, get_block, deadline_s, line, background,
+                                 finish)
+        finally:
+            self._let_go(handle)
+
+    def _let_go(self, handle: TransferHandle) -> None:
+        if handle.holds_line is not None:
+            self.gate.leave(handle.holds_line)
+            handle.holds_line = None
+
+    async def _transfer(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
+                        get_block: Callable, deadline_s: float, line: str | None, background: bool,
+                        finish: Callable | None) -> None:
         status = handle.status
         stream: FrameStream | None = None
         try:
             async with asyncio.timeout(deadline_s):
-                stream = await self._acquire(host, port)
+                stream = await self._acquire(host, port, line)
                 if self.seal_blocks:
                     meta = meta | {"block_digest": BLOCK_DIGEST}
                 status.bytes_sent += stream.write(encode_begin(status.request_id, meta, hashes, deadline_s,
                                                                self.max_frame_bytes))
                 status.state = TransferState.WAITING
                 begun = time.monotonic()
-                have = await stream.read_frame(None)
+                have = await self._read_have(stream, (host, port), hashes)
                 status.handshake_s = time.monotonic() - begun
                 if isinstance(have, Error):
                     raise _PeerError(f"receiver refused transfer: {have.message}")
@@ -206,6 +296,13 @@ class KVSender:
                     raise _PeerError(f"protocol error: expected HAVE for {len(hashes)} blocks, got {have}")
                 status.num_blocks_skipped = len(have.indices)
                 status.state = TransferState.TRANSFERRING
+                if line is not None and not background:
+                    # Background transfers on the line wait from now until this
+                    # one has written its last block (or ended). Not before HAVE:
+                    # the receiver may hold HAVE back until a background copy of
+                    # the same blocks has landed, which must not wait for us.
+                    handle.holds_line = line
+                    self.gate.enter(line)
                 # Read the receiver's answer while sending: a receiver that refuses
                 # mid-transfer (a block failing its seal, a handler error) says why
                 # in an ERROR and closes; stop at once and report that reason, not
@@ -219,15 +316,23 @@ class KVSender:
                             continue
                         payload = get_block(i)
                         if inspect.isawaitable(payload):
+                            t0 = time.monotonic()
                             payload = await payload
+                            status.waited_s += time.monotonic() - t0
                         wire_payload = seal_block(payload) if self.seal_blocks else payload
-                        status.bytes_sent += stream.write(encode_block(i, block_hash, wire_payload,
-                                                                       self.max_frame_bytes))
+                        frame = encode_block(i, block_hash, wire_payload, self.max_frame_bytes)
                         status.num_blocks_sent += 1
                         status.payload_bytes += len(payload)
-                        await stream.drain()
+                        await self._write_block(stream, frame, line, background, status, (host, port),
+                                                hashes[-1])
+                    self._let_go(handle)
+                    extra = None
+                    if finish is not None and not answer.done():
+                        t0 = time.monotonic()
+                        extra = await finish()
+                        status.waited_s += time.monotonic() - t0
                     if not answer.done():
-                        status.bytes_sent += stream.write(encode_end(status.num_blocks_sent))
+                        status.bytes_sent += stream.write(encode_end(status.num_blocks_sent, extra))
                     ack = await answer
                 except (ConnectionError, OSError):
                     await asyncio.sleep(0)       # let a frame that arrived before the reset be read

@@ -41,6 +41,12 @@ class TransferStatus:
     # BEGIN -> HAVE (sender): a round trip, plus the time the receiver held
     # its answer back while another transfer brought it the same blocks.
     handshake_s: float = 0.0
+    # Sender, background transfers: time spent waiting for foreground ones on
+    # the same line (`pdd.transport.priority`); not the line's speed.
+    yielded_s: float = 0.0
+    # Sender, streamed transfers: time spent waiting for blocks (or the END's
+    # meta) that the producer had not computed yet; not the line's speed either.
+    waited_s: float = 0.0
     meta: dict = field(default_factory=dict)
 
     @property

@@ -4,8 +4,11 @@
     timer at the head's delivery time -> flush: write what is due to dst
     src EOF -> forwarded once everything before it is delivered
 The pipe stops reading its source while it holds more than about one
-bandwidth-delay product (plus a small router buffer), or while dst's socket
-is full, so a sender feels a slow line instead of an infinite buffer. While
+bandwidth-delay product (plus a small router buffer), while the line as a
+whole has more than a router buffer of bytes waiting to depart (one buffer
+shared by every connection, as a real line's bottleneck queue is: otherwise
+each connection would add its own), or while dst's socket is full, so a
+sender feels a slow line instead of an infinite buffer. While
 the link is blackholed, bytes (queued ones too) are held in order and handed
 to the line again on restore.
 """
@@ -24,6 +27,25 @@ if TYPE_CHECKING:
 MIN_QUEUE_BYTES = 1024 * 1024
 QUEUE_BUFFER_S = 0.05  # router buffer beyond the bandwidth-delay product
 UNLIMITED_QUEUE_BYTES = 8 * 1024 * 1024
+MIN_LINE_BUFFER_BYTES = 256 * 1024
+
+
+KERNEL_RCVBUF_BYTES = 64 * 1024
+
+
+def limit_kernel_buffer(transport: asyncio.BaseTransport | None) -> None:
+    """A small kernel receive buffer on the relay's sockets. The pipe's queue
+    is the line's buffer; bytes the kernel accepted but the pipe has not yet
+    read would be a second, invisible buffer of several MB (loopback
+    autotuning), holding a sender's bytes back from the line's order: a
+    sender that pauses would still have megabytes on their way."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, KERNEL_RCVBUF_BYTES)
+    except OSError:
+        pass
 
 
 def reset_transport(transport: asyncio.BaseTransport | None) -> None:
@@ -97,6 +119,7 @@ class Pipe:
                     return
             self.src.conn.maybe_close()
         self.update_reading()
+        self.link._wake(self.a_to_b, self)
 
     def on_eof(self) -> None:
         self.eof_pending = True
@@ -108,10 +131,27 @@ class Pipe:
         if transport is None or transport.is_closing():
             return
         limit = self.queue_limit_bytes()
-        if self.dst_full or self.dst.transport is None or self.queued_bytes > limit:
+        waiting = self.line_waiting_bytes()
+        line_full = waiting > self.line_buffer_bytes()
+        if self.dst_full or self.dst.transport is None or self.queued_bytes > limit or line_full:
             transport.pause_reading()
-        elif self.queued_bytes <= limit // 2:
+        elif self.queued_bytes <= limit // 2 and waiting <= self.line_buffer_bytes() // 2:
             transport.resume_reading()
+
+    def line_waiting_bytes(self) -> float:
+        """Bytes every connection has handed to this direction of the line that
+        have not departed yet (the shared bottleneck queue)."""
+        sh = self.shaper
+        if sh.rate_bytes_s is None:
+            return 0.0
+        return sh.backlog_s(self.link.loop.time()) * sh.rate_bytes_s
+
+    def line_buffer_bytes(self) -> int:
+        """The line's router buffer: QUEUE_BUFFER_S of its rate."""
+        sh = self.shaper
+        if sh.rate_bytes_s is None:
+            return UNLIMITED_QUEUE_BYTES
+        return max(MIN_LINE_BUFFER_BYTES, int(sh.rate_bytes_s * QUEUE_BUFFER_S))
 
     def queue_limit_bytes(self) -> int:
         """About one bandwidth-delay product plus a small router buffer."""

@@ -21,7 +21,7 @@ import asyncio
 import logging
 from dataclasses import asdict, dataclass
 
-from pdd.wan.pipe import Pipe, reset_transport
+from pdd.wan.pipe import Pipe, limit_kernel_buffer, reset_transport
 from pdd.wan.shaper import (
     KEEP, DEFAULT_BURST_BYTES, DEFAULT_JITTER_S, DEFAULT_LATENCY_S, DEFAULT_RATE_BYTES_S, Shaper,
 )
@@ -53,6 +53,7 @@ class _Side(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        limit_kernel_buffer(transport)
         if self.mapping is not None:
             self.link._accept(self)
 
@@ -224,6 +225,13 @@ class WanLink:
             reset_transport(conn.upstream.transport)
             return
         conn.up.update_reading()
+
+    def _wake(self, a_to_b: bool, flushed: Pipe) -> None:
+        """Bytes left the line: connections paused on its shared buffer may read again."""
+        for conn in self._conns:
+            for pipe in (conn.up, conn.down):
+                if pipe is not flushed and pipe.a_to_b == a_to_b:
+                    pipe.update_reading()
 
     def _forget(self, conn: _Relayed) -> None:
         self._conns.discard(conn)

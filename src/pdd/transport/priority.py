@@ -1,0 +1,111 @@
+"""Foreground before background on a shared line, decided by the sender.
+
+A line (a link label: "wan", "local") carries transfers a user is waiting on
+(foreground: a direct request's KV to MD) and copies nobody waits on yet
+(background: the copy that readies MD for a handoff while RLD serves the
+user, a warm push). Left to TCP, flows share a line about evenly, so a warm
+turn's 1.5 MB copy behind a cold turn's 100 MB one takes twice as long, and
+with three cold copies in flight four times, on every warm turn's TTFT.
+
+Routers in the path do not know our priorities, so the sender enforces them:
+a background transfer writes its frames in slices and, before each slice,
+waits while any foreground transfer is in progress on the same line. What
+still lies ahead of a foreground transfer is what the background one had
+already handed to the network: one slice, the socket's unsent bytes (kept
+small with TCP_NOTSENT_LOWAT on lines other than the local one) and what
+the line itself holds in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+SLICE_BYTES = 64 * 1024          # a background transfer checks its turn this often
+NOTSENT_LOWAT_BYTES = 64 * 1024  # unsent bytes a socket may hold (TCP_NOTSENT_LOWAT)
+
+
+class LineGate:
+    """Who may write to a line now: foreground transfers always; background
+    ones only while no foreground transfer is in progress, one slice at a
+    time, the one with the fewest blocks left first.
+
+    Shortest-remaining-first among the background copies: shared evenly,
+    four 90 MB copies would all land after four copies' time; one after the
+    other, the first lands after one copy's time, the second after two, and
+    each lets MD take over its request that much sooner (less of the answer
+    left on RLD). A copy waiting for P to compute its next block does not ask,
+    so the others use the line meanwhile."""
+
+    def __init__(self) -> None:
+        self._foreground: dict[str, int] = {}
+        self._asking: dict[str, dict[int, tuple[int, int]]] = {}   # line -> key -> (blocks left, order)
+        self._holder: dict[str, int] = {}                          # line -> key writing a slice
+        self._changed = asyncio.Event()
+        self._order = 0
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def busy(self, line: str) -> bool:
+        return self._foreground.get(line, 0) > 0
+
+    def enter(self, line: str) -> None:
+        """A foreground transfer starts on `line`."""
+        self._foreground[line] = self._foreground.get(line, 0) + 1
+
+    def leave(self, line: str) -> None:
+        """A foreground transfer has handed its last byte to the line (or ended)."""
+        n = self._foreground.get(line, 0) - 1
+        if n > 0:
+            self._foreground[line] = n
+            return
+        self._foreground.pop(line, None)
+        self._notify()
+
+    def _may_write(self, line: str, key: int) -> bool:
+        if self.busy(line) or line in self._holder:
+            return False
+        asking = self._asking[line]
+        return min(asking, key=asking.__getitem__) == key
+
+    async def turn(self, line: str, key: int, blocks_left: int) -> float:
+        """Wait for a background transfer's turn to write one slice; the seconds
+        waited. Call `release` after the slice."""
+        self._order += 1
+        asking = self._asking.setdefault(line, {})
+        asking[key] = (blocks_left, self._order)
+        t0, waited = time.monotonic(), False
+        granted = False
+        try:
+            while not self._may_write(line, key):
+                waited = True
+                await self._changed.wait()
+            granted = True
+        finally:
+            asking.pop(key, None)
+            if not granted:      # cancelled while asking: the next in line may go
+                self._notify()
+        self._holder[line] = key
+        return time.monotonic() - t0 if waited else 0.0
+
+    def release(self, line: str, key: int) -> None:
+        if self._holder.get(line) == key:
+            del self._holder[line]
+            self._notify()
+
+
+def limit_unsent(writer: asyncio.StreamWriter, nbytes: int = NOTSENT_LOWAT_BYTES) -> None:
+    """Keep at most ~nbytes unsent in the kernel for this connection, so that a
+    pause of the writer reaches the line quickly (the bytes in flight are left
+    to TCP: throughput is unchanged)."""
+    sock = writer.get_extra_info("socket")
+    opt = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if sock is None or opt is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, opt, nbytes)
+    except OSError:
+        pass

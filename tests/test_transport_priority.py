@@ -1,0 +1,132 @@
+"""Foreground before background on one shaped line: real sockets through the WAN relay."""
+
+import asyncio
+import hashlib
+
+import pytest
+
+from pdd.sim.link import Link
+from pdd.transport.kv_receiver import KVReceiver
+from pdd.transport.kv_sender import KVSender
+from pdd.transport.priority import LineGate
+from pdd.wan.relay import WanLink
+
+SECRET = "s3cret"
+
+
+class Sink:
+    def on_begin(self, request_id, meta, block_hashes):
+        return set()
+
+    async def on_block(self, request_id, index, block_hash, payload):
+        pass
+
+    def on_end(self, request_id, status):
+        pass
+
+
+def blocks(n, size, tag):
+    data = [bytes([tag, i % 256]) * (size // 2) for i in range(n)]
+    return data, [hashlib.blake2b(b, digest_size=16).digest() for b in data]
+
+
+async def race(background_first: bool):
+    """A big copy starts on a 4 MB/s line; 0.3 s later a small one a user waits
+    for. Returns both transfers' statuses."""
+    receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, Sink())
+    link = WanLink(rate_bytes_s=4e6, latency_s=0.01, jitter_s=0)
+    sender = KVSender(SECRET)
+    try:
+        port = await link.add_mapping(0, "127.0.0.1", receiver.port)
+        big, big_h = blocks(24, 256 * 1024, 1)        # 6 MB: 1.5 s of line alone
+        small, small_h = blocks(4, 256 * 1024, 2)     # 1 MB: 0.25 s of line alone
+        bg = sender.send("127.0.0.1", port, "big", {}, big_h, big, 30, line="wan",
+                         background=background_first)
+        await asyncio.sleep(0.3)
+        fg = sender.send("127.0.0.1", port, "small", {}, small_h, small, 30, line="wan")
+        return await bg.wait(), await fg.wait()
+    finally:
+        await sender.close()
+        await link.close()
+        await receiver.close()
+
+
+def test_a_foreground_transfer_overtakes_a_background_copy_on_the_line():
+    bg, fg = asyncio.run(asyncio.wait_for(race(background_first=True), 30))
+    assert bg.ok and fg.ok, (bg.error, fg.error)
+    # The background copy paused for the foreground one, which ended first.
+    assert bg.yielded_s > 0.1 and fg.yielded_s == 0.0
+    assert fg.finished_s < bg.finished_s
+    # The small one got (nearly) the whole line: alone it takes ~0.27 s; halved
+    # by fair sharing ~0.5 s. What lies ahead of it is what the copy had already
+    # handed to the network (the relay's queue, a slice, unsent socket bytes).
+    assert fg.elapsed_s < bg.elapsed_s / 3
+
+
+def test_two_foreground_transfers_share_and_neither_yields():
+    first, second = asyncio.run(asyncio.wait_for(race(background_first=False), 30))
+    assert first.ok and second.ok
+    assert first.yielded_s == 0.0 and second.yielded_s == 0.0
+
+
+def test_gate_holds_background_only_while_foreground_is_in_progress():
+    async def main():
+        gate = LineGate()
+        assert await gate.turn("wan", 1, 10) == 0.0
+        gate.release("wan", 1)
+        gate.enter("wan")
+        gate.enter("wan")
+        waiter = asyncio.ensure_future(gate.turn("wan", 1, 10))
+        other = await gate.turn("local", 2, 10)        # another line is not held
+        gate.release("local", 2)
+        await asyncio.sleep(0.05)
+        gate.leave("wan")
+        await asyncio.sleep(0.05)
+        assert other == 0.0 and not waiter.done()  # one foreground transfer still on the line
+        gate.leave("wan")
+        assert await asyncio.wait_for(waiter, 1) >= 0.09
+        gate.release("wan", 1)
+        assert not gate.busy("wan")
+    asyncio.run(main())
+
+
+def test_background_copies_take_turns_fewest_blocks_left_first():
+    async def main():
+        gate = LineGate()
+        order = []
+
+        async def copy(key, blocks):
+            for left in range(blocks, 0, -1):
+                await gate.turn("wan", key, left)
+                order.append(key)
+                await asyncio.sleep(0.001)          # writing a slice
+                gate.release("wan", key)
+        gate.enter("wan")                            # both wait behind a foreground transfer
+        tasks = [asyncio.ensure_future(copy(1, 5)), asyncio.ensure_future(copy(2, 2))]
+        await asyncio.sleep(0.01)
+        gate.leave("wan")
+        await asyncio.wait_for(asyncio.gather(*tasks), 2)
+        # The shorter copy goes first and to its end; one slice at a time.
+        assert order == [2, 2, 1, 1, 1, 1, 1]
+        # A copy cancelled while asking does not block the others.
+        gate.enter("wan")
+        stuck = asyncio.ensure_future(gate.turn("wan", 3, 1))
+        later = asyncio.ensure_future(gate.turn("wan", 4, 9))
+        await asyncio.sleep(0.01)
+        stuck.cancel()
+        gate.leave("wan")
+        assert await asyncio.wait_for(later, 1) > 0
+    asyncio.run(main())
+
+
+def test_simulated_line_gives_background_flows_nothing_while_foreground_flows_run():
+    link = Link("wan", bandwidth_bytes_s=100.0, rtt_s=0.0)
+    link.add(0.0, "copy", 200, background=True)     # alone: the whole line
+    nxt = link.add(1.0, "direct", 50)               # 100 bytes of the copy left
+    assert nxt[0] == pytest.approx(1.5)              # the direct flow alone: 0.5 s
+    assert link.remaining_s("copy", 1.0) == pytest.approx(1.5)   # 0.5 s ahead + 1 s its own
+    done, nxt = link.complete(*nxt)
+    assert [f.flow_id for f in done] == ["direct"]
+    done, _ = link.complete(*nxt)
+    assert [f.flow_id for f in done] == ["copy"] and nxt[0] == pytest.approx(2.5)
+    assert done[0].yielded_s == pytest.approx(0.5)
