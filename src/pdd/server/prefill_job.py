@@ -123,7 +123,7 @@ class PrefillJob:
         engine = self.server.engine
         bs = engine.cfg.block_size
         nblk = len(self.prompt_ids) // bs
-        hashes = hash_blocks(self.prompt_ids, bs, engine.model_cfg.model_id.encode())
+        hashes = hash_blocks(self.prompt_ids, bs, engine.layout.model_id.encode())
         manifest = KVManifest(engine.layout, tuple(self.prompt_ids[: nblk * bs]), tuple(hashes))
         rid, read = self.request_id, engine.runner.read_block
 

@@ -25,6 +25,14 @@ class VllmRequestRecord:
     sampling: SamplingParams | None = None
     in_vllm: bool = False                                 # vLLM runs it now (not held, not finished)
 
+    num_preemptions: int = 0                              # vLLM's preemptions are not seen from here
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """For P's streamed transfers: vLLM's blocks are readable once the
+        finished prompt holds them (the connector's record), all at once."""
+        return self.num_prompt_tokens if self.block_ids else 0
+
     @property
     def block_ids(self) -> list[int]:
         """vLLM blocks a finished prefill holds (the connector's record)."""
