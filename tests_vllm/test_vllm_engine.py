@@ -120,3 +120,49 @@ def test_pause_and_resume_lose_no_token(ref_engine, greedy):
     with pytest.raises(InvalidRequestError, match="finished"):
         ref_engine.extend("pr1", [1])
     ref_engine.forget("pr1")
+
+
+def test_catch_up_batches_are_computed_as_they_come_so_the_final_extend_is_small(ref_engine, greedy):
+    p = ids(32, 150)
+    want = greedy(p, 100)
+    ref_engine.llm.reset_prefix_cache()          # greedy() cached this very sequence: start cold
+    ref_engine.submit(EngineRequest("cu1", p, SamplingParams(max_tokens=100, ignore_eos=True),
+                                    output_ids=[want[0]], hold=True))
+    ref_engine.extend("cu1", want[1:41], final=False)          # 191 tokens known
+    assert [(e.extended_upto, e.token_id) for e in drain(ref_engine, {"cu1"})["cu1"]] == [(41, None)]
+    ref_engine.extend("cu1", want[41:81], final=False)         # 231 known: 7 full blocks computed
+    assert [(e.extended_upto, e.token_id) for e in drain(ref_engine, {"cu1"})["cu1"]] == [(81, None)]
+    ref_engine.extend("cu1", want[81:84], final=True)          # the final batch: 234 tokens
+    evs = drain(ref_engine, {"cu1"})["cu1"]
+    rec = ref_engine.requests["cu1"]
+    assert rec.num_prompt_tokens == 234 and rec.num_cached_tokens == 224
+    # what the final pass computed: the last batch (3) and the partial block before it (7), not 234
+    assert rec.num_prompt_tokens - rec.num_cached_tokens == 10
+    assert [e.index for e in evs] == list(range(84, 100))
+    assert [e.token_id for e in evs] == want[84:]
+    ref_engine.forget("cu1")
+
+
+def test_have_pins_keep_cached_blocks_until_their_request_ran(ref_engine):
+    from pdd.vllm.prefix import VllmPrefixIndex
+
+    index = VllmPrefixIndex(ref_engine.llm.engine_core.engine_core, 32)
+    p = ids(33, 200)
+    ref_engine.submit(EngineRequest("pin0", p, SamplingParams(max_tokens=2, ignore_eos=True)))
+    drain(ref_engine, {"pin0"})
+    ref_engine.forget("pin0")
+    free0 = ref_engine.stats()["kv_free_blocks"]
+    assert ref_engine.pins.pin_cached("pin1", p) == 6          # HAVE: the 6 full blocks
+    s = ref_engine.stats()
+    assert s["kv_pinned_blocks"] == 6 and s["kv_free_blocks"] == free0 - 6    # out of vLLM's free queue
+    # Nothing may evict them meanwhile: vLLM refuses to reset a cache with blocks in use.
+    assert ref_engine.llm.reset_prefix_cache() is False
+    assert index.matched_tokens(p) == 192
+    ref_engine.submit(EngineRequest("pin1", p + [5, 6], SamplingParams(max_tokens=2, ignore_eos=True)))
+    drain(ref_engine, {"pin1"})
+    assert ref_engine.requests["pin1"].num_cached_tokens == 192
+    s = ref_engine.stats()
+    assert s["kv_pinned_blocks"] == 0 and s["kv_free_blocks"] == free0      # let go once it ran
+    ref_engine.forget("pin1")
+    assert ref_engine.llm.reset_prefix_cache() is True
+    assert index.matched_tokens(p) == 0

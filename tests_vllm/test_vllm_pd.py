@@ -14,7 +14,7 @@ import pytest
 
 from deploy_helpers import deployment_toml, ids
 from pdd.deploy.launcher import Deployment
-from vllm_helpers import VLLM_ENGINE, complete
+from vllm_helpers import VLLM_ENGINE, complete, stats
 
 @pytest.fixture(scope="module")
 def pd(smollm2_dir, tmp_path_factory):
@@ -29,17 +29,6 @@ def pd(smollm2_dir, tmp_path_factory):
 
 def trace(dep, rid: str) -> dict:
     with urllib.request.urlopen(f"{dep.router_url}/requests/{rid}/trace", timeout=10) as r:
-        return json.loads(r.read())
-
-
-def stats(dep, name: str) -> dict:
-    from pdd.server.http_auth import sign
-
-    inst = dep.spec.instance(name)
-    path = "/internal/stats"
-    req = urllib.request.Request(f"http://{inst.host}:{inst.port}{path}",
-                                 headers=sign(dep.keys.internal_http, "GET", path, name, b""))
-    with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from deploy_helpers import deployment_toml, ids, run
+from vllm_helpers import stats, wait_for_stat
 from pdd.deploy.launcher import Deployment
 
 KV_BYTES_PER_TOKEN = 46080          # SmolLM2-135M, fp32
@@ -84,3 +85,26 @@ def test_wan_cut_mid_transfer_ends_the_request_on_rld(pdd, greedy, tok):
     assert text == tok.decode(greedy(p, 120))
     assert tr["pipeline"] == "relay" and set(tr["token_sources"]) == {"rld"}, tr["token_sources"]
     assert any(e["name"] == "md_dropped" for e in tr["events"])
+
+
+def test_a_turn_that_ended_on_rld_leaves_its_kv_on_md_for_the_next(pdd, greedy, tok):
+    """The copy that lands on MD after RLD has answered enters MD's prefix
+    cache (absorbed through the connector), so the next turn moves only its
+    new blocks over the WAN."""
+    dep, mode = pdd
+    if mode == "catch_up":
+        pytest.skip("no handoff happens: the mode plays no part")
+    first = ids(8, 400)                      # 12 blocks, ~3.7 s on the line; RLD answers 4 tokens long before
+    loaded0 = stats(dep, "md0")["kv_loaded_blocks"]
+    text, tr1 = run(dep, first, 4)
+    assert text == tok.decode(greedy(first, 4))
+    assert set(tr1["token_sources"]) == {"rld"}, tr1["token_sources"]
+    # The copy keeps landing after the answer; MD loads all 12 blocks into vLLM.
+    s = wait_for_stat(dep, "md0", "kv_loaded_blocks", loaded0 + 12)
+    assert s["kv_loaded_blocks"] == loaded0 + 12, s
+    second = first + ids(9, 40)              # 13 full blocks, 12 of them now in MD's prefix cache
+    text, tr = run(dep, second, 8, stream=False)
+    assert text == tok.decode(greedy(second, 8))
+    assert set(tr["token_sources"]) == {"md"}, tr["token_sources"]
+    assert tr["wan_bytes"] == (440 // 32 - 400 // 32) * 32 * KV_BYTES_PER_TOKEN
+    assert stats(dep, "md0")["kv_pinned_blocks"] == 0          # HAVE pins let go once the turn ran

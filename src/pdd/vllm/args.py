@@ -55,6 +55,15 @@ def vllm_sampling(sp: SamplingParams, max_tokens: int, kv_params: dict | None = 
                extra_args={"kv_transfer_params": kv_params} if kv_params else None)
 
 
+def one_token_sampling(kv_params: dict | None = None):
+    """A side request's sampling: one greedy token nobody reads (the pass
+    exists for the KV it computes or loads)."""
+    from vllm import SamplingParams as VSP
+
+    return VSP(max_tokens=1, temperature=0.0, ignore_eos=True,
+               extra_args={"kv_transfer_params": kv_params} if kv_params else None)
+
+
 def prepare_process(num_threads: int) -> None:
     """Before vLLM (and torch's thread pool) is built: one in-process engine,
     `num_threads` OpenMP threads. vLLM's CPU worker replaces
@@ -64,6 +73,8 @@ def prepare_process(num_threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")     # vLLM's usage report: nothing leaves the machine
+    os.environ.setdefault("DO_NOT_TRACK", "1")
     import torch
 
     torch.set_num_threads(num_threads)

@@ -11,6 +11,9 @@ Lifecycle of a request here:
     -> forget() drops the record.
     submit(hold) -> HELD (outside vLLM) -> extend(final=False)* -> extend(final)
     -> add_request of prompt + every given token (RUNNING)
+    each extend(final=False) batch is computed at once by a side request
+    (side.py); a HELD request aborted (it ended on RLD) leaves its landed KV
+    in vLLM's prefix cache through one.
     RUNNING -> extend([], final=False): paused (vLLM drops it, HELD) -> extend([]) -> RUNNING
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): `step()` is one
 scheduler + model pass on the engine thread, like our Engine's.
@@ -22,7 +25,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,47 +32,14 @@ from pdd.engine.config import EngineConfig
 from pdd.engine.engine import InvalidRequestError, StepEvent, StepRecord
 from pdd.engine.hashing import hash_blocks
 from pdd.engine.kv_codec import KVLayout, KVManifest
-from pdd.engine.request import EngineRequest, RequestStatus, SamplingParams
+from pdd.engine.request import EngineRequest, RequestStatus
 from pdd.model.config import ModelConfig
 from pdd.vllm.args import CPU_BLOCK_MULTIPLE, engine_kwargs, prepare_process, vllm_sampling
+from pdd.vllm.prefix import VllmPrefixIndex
+from pdd.vllm.records import FINISH_STATUS, BlockReader, VllmRequestRecord, engine_stats, recent_decode_step_s
+from pdd.vllm.side import FILLER_TOKEN, BlockPins, SideKind, SideRequests
 
 log = logging.getLogger(__name__)
-
-_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
-                  "abort": RequestStatus.FINISHED_ABORTED}
-
-
-@dataclass
-class VllmRequestRecord:
-    """What the instance reads of a request after vLLM has it."""
-    request_id: str
-    num_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)   # what vLLM was given: prompt + tokens made elsewhere
-    status: RequestStatus = RequestStatus.RUNNING
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0                            # counts the tokens made elsewhere too
-    keep_kv: bool = False
-    started: bool = False                                 # its first step with output has been seen
-    sampling: SamplingParams | None = None
-    in_vllm: bool = False                                 # vLLM runs it now (not held, not finished)
-
-    @property
-    def block_ids(self) -> list[int]:
-        """vLLM blocks a finished prefill holds (the connector's record)."""
-        from pdd.vllm.connector import HUB
-
-        return HUB.held.get(self.request_id, [])
-
-
-class _BlockReader:
-    """engine.runner.read_block for PrefillJob: whole vLLM blocks via the connector hub."""
-
-    @staticmethod
-    def read_block(block_id: int) -> bytes:
-        from pdd.vllm.connector import HUB
-
-        return HUB.read_block(block_id)
-
 
 class VllmEngine:
     def __init__(self, llm, cfg: EngineConfig, model_cfg: ModelConfig):
@@ -82,8 +51,10 @@ class VllmEngine:
         self.pool_lock = threading.RLock()
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
-        self.runner = _BlockReader()
-        self._pending: list[StepEvent] = []     # events made between steps (extend batches taken)
+        self.runner = BlockReader()
+        self._pending: list[StepEvent] = []     # events made between steps
+        self.side = SideRequests(llm)            # ours, output unread: catch-up batches, absorbed copies
+        self.pins = BlockPins(lambda: self.scheduler, VllmPrefixIndex(llm.engine_core.engine_core, cfg.block_size))
         # Its own model id: vLLM's block layout is not ours, so neither engine
         # may take the other's KV (the receiver checks the layout's model id,
         # and block hashes are namespaced by it).
@@ -121,8 +92,6 @@ class VllmEngine:
         token, RLD's eager tokens) appended to the prompt: vLLM computes them
         in the same pass as the prompt's uncached part and samples after them.
         KV staged for it by the receiver is loaded through the connector."""
-        from pdd.vllm.connector import HOLD, HUB, LOAD
-
         rid = req.request_id
         if rid in self.requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
@@ -193,9 +162,37 @@ class VllmEngine:
                                       f"(max_tokens {rec.sampling.max_tokens})")
         if final:
             self._to_vllm(rec)
+        elif token_ids:
+            self._catch_up(rec)
         else:
-            # Computed at the final extend, not now: report the batch taken.
             self._pending.append(StepEvent(request_id, extended_upto=rec.num_output_tokens))
+
+    def _catch_up(self, rec: VllmRequestRecord) -> None:
+        """Compute a held request's tokens so far now (one side request at a
+        time; one that ends with more tokens given starts the next), so the
+        final extend finds all but the last partial block in the prefix cache."""
+        if not self.side.catching_up(rec.request_id):
+            self.side.launch(rec.request_id, rec.token_ids, SideKind.CATCH_UP, upto=rec.num_output_tokens)
+
+    def absorb(self, owner: str, token_ids: list[int]) -> None:
+        """KV landed for `owner` (staged) that no request will consume: into
+        vLLM's prefix cache, its full blocks loaded and one filler token computed."""
+        from pdd.vllm.connector import HUB
+
+        if owner in HUB.staged and not self.side.owns(owner):
+            self.side.launch(owner, list(token_ids) + [FILLER_TOKEN], SideKind.ABSORB)
+
+    def _side_done(self, vid: str) -> list[StepEvent]:
+        s = self.side.finished(vid)
+        rec = self.requests.get(s.owner) if s is not None else None
+        events = []
+        if s is not None and s.kind is SideKind.CATCH_UP and rec is not None and rec.status == RequestStatus.HELD:
+            events.append(StepEvent(s.owner, extended_upto=s.upto))
+            if rec.num_output_tokens > s.upto:
+                self._catch_up(rec)
+        if s is not None and rec is None and not self.side.owns(s.owner):
+            self._drop_kv(s.owner)
+        return events
 
     # -- KV (the prefill side's export, through the connector) -----------------------
     def kv_manifest(self, request_id: str, num_tokens: int | None = None) -> KVManifest:
@@ -215,6 +212,10 @@ class VllmEngine:
             return False
         if rec.in_vllm:
             self.llm.abort_request([request_id])
+        elif rec.status == RequestStatus.HELD:
+            # It ended elsewhere (RLD finished first) or its caller left: the
+            # KV that landed for it stays in vLLM's prefix cache for the next turn.
+            self.absorb(request_id, rec.token_ids)
         rec.status, rec.in_vllm = RequestStatus.FINISHED_ABORTED, False
         return True
 
@@ -234,7 +235,14 @@ class VllmEngine:
         from pdd.vllm.connector import HUB
 
         HUB.release(request_id)      # a finished prefill's held blocks: freed at the next step
-        HUB.unstage(request_id)
+        if not self.side.owns(request_id):      # else when its side request ends
+            self._drop_kv(request_id)
+
+    def _drop_kv(self, owner: str) -> None:
+        from pdd.vllm.connector import HUB
+
+        HUB.unstage(owner)
+        self.pins.release(owner)
 
     @property
     def has_work(self) -> bool:
@@ -252,12 +260,17 @@ class VllmEngine:
         wall = time.perf_counter() - t0
         num_prefill = num_decode = 0
         for out in outputs:
+            if out.request_id in self.side.live:
+                if out.finished:
+                    events += self._side_done(out.request_id)
+                continue
             rec = self.requests.get(out.request_id)
             if rec is None or not rec.in_vllm:
                 continue
             comp = out.outputs[0]
             if not rec.started and comp.token_ids:
                 rec.started = True
+                self.pins.release(rec.request_id)      # vLLM holds what it hit now
                 rec.num_cached_tokens = int(out.num_cached_tokens or 0)
                 self._prefix_query_tokens += rec.num_prompt_tokens
                 self._prefix_hit_tokens += rec.num_cached_tokens
@@ -270,8 +283,8 @@ class VllmEngine:
                 rec.token_ids.append(int(tok))
             if out.finished:
                 rec.in_vllm = False
-                rec.status = _FINISH_STATUS.get(comp.finish_reason, RequestStatus.FINISHED_ERROR)
-                reason = comp.finish_reason if comp.finish_reason in _FINISH_STATUS else "error"
+                rec.status = FINISH_STATUS.get(comp.finish_reason, RequestStatus.FINISHED_ERROR)
+                reason = comp.finish_reason if comp.finish_reason in FINISH_STATUS else "error"
                 if events and events[-1].request_id == rec.request_id and events[-1].token_id is not None:
                     last = events.pop()
                     events.append(StepEvent(rec.request_id, last.token_id, last.index, True, reason))
@@ -288,42 +301,17 @@ class VllmEngine:
 
     # -- reads from any thread -----------------------------------------------------------
     def stats(self) -> dict:
-        sch = self.scheduler
-        pool = sch.kv_cache_manager.block_pool
-        total = pool.num_gpu_blocks - 1          # block 0 is vLLM's null block
-        free = pool.get_num_free_blocks()
-        q, h = self._prefix_query_tokens, self._prefix_hit_tokens
-        return {
-            "num_running": len(sch.running), "num_waiting": len(sch.waiting),
-            "kv_total_blocks": total, "kv_free_blocks": free, "kv_used_blocks": total - free,
-            "num_requests": len(self.requests),
-            "prefix_query_tokens": q, "prefix_hit_tokens": h, "prefix_hit_rate": h / q if q else 0.0,
-            "num_steps": self.num_steps, "decode_step_s": self.recent_decode_step_s(),
-            "backend": "vllm",
-            # blocks the PDD connector loaded into vLLM from landed transfers
-            # (not computed here: what a receiver's KV saved it)
-            "kv_loaded_blocks": _hub_loaded_blocks(),
-        }
+        return engine_stats(self)
 
     def recent_decode_step_s(self, window: int = 32) -> float | None:
-        try:    # read from the HTTP thread while the engine thread appends
-            recent = [self.step_log[-k] for k in range(1, min(len(self.step_log), 4 * window) + 1)]
-        except IndexError:
-            return None
-        xs = [r.wall_s for r in recent if r.num_prefill_tokens == 0][:window]
-        return sum(xs) / len(xs) if xs else None
+        return recent_decode_step_s(self.step_log, window)
 
     def _release_pins(self, request_id: str) -> None:
         """Our engine pins imported KV until its request runs; here the landed
-        blocks wait in the connector's staging area, dropped when no request
-        of that id runs (the transfer failed, or its decode call went away)."""
-        if request_id not in self.requests:
-            from pdd.vllm.connector import HUB
+        blocks wait in the connector's staging area and the HAVE blocks are
+        pinned in vLLM's pool, both let go when no request of that id runs
+        (the transfer failed, or its decode call went away) and no side
+        request (an absorb) still needs them."""
+        if request_id not in self.requests and not self.side.owns(request_id):
+            self._drop_kv(request_id)
 
-            HUB.unstage(request_id)
-
-
-def _hub_loaded_blocks() -> int:
-    from pdd.vllm.connector import HUB
-
-    return sum(list(HUB.loaded_blocks.values()))

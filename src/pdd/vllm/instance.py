@@ -65,11 +65,13 @@ class VllmInstanceServer(InstanceServer):
         a.warm = bool(meta.get("warm"))
         a.hashes = list(block_hashes)
         a.importer = StagedTransfer(manifest, HUB.block_bytes)
-        # What vLLM's prefix cache holds need not cross. Not pinned: if vLLM
-        # evicts it before the request runs, the connector loads what landed
-        # up to the gap and vLLM recomputes the rest (slower, still right).
-        held = self.prefix.cached_blocks(manifest.token_ids) if self.kv_reuse else []
-        a.skipped = set(range(len(held)))
+        # What vLLM's prefix cache holds need not cross; it is pinned (on the
+        # engine thread, between steps) until the request relying on it runs.
+        # Were it lost anyway, the connector loads what landed up to the gap
+        # and vLLM recomputes the rest (slower, still right).
+        ids = list(manifest.token_ids)
+        num_held = await self.loop.call(lambda e: e.pins.pin_cached(request_id, ids)) if self.kv_reuse else 0
+        a.skipped = set(range(num_held))
         return a.skipped
 
     async def on_block(self, request_id: str, index: int, block_hash: bytes, payload: bytes) -> None:
@@ -83,9 +85,14 @@ class VllmInstanceServer(InstanceServer):
         from pdd.vllm.connector import HUB
 
         a = self.arrivals.get(request_id)
-        if a is not None and status.ok and not a.warm and a.importer is not None:
+        if a is not None and status.ok and a.importer is not None:
             # Staged before the decode call (woken by the base class) submits.
             HUB.stage(request_id, a.importer.payloads)
+            if a.warm or not a.claimed:
+                # No request consumes it (a warm push, a decode call gone or
+                # not come): into vLLM's prefix cache, as our engine keeps it.
+                ids = list(a.importer.manifest.token_ids)
+                await self.loop.call(lambda e: e.absorb(request_id, ids))
         await super().on_end(request_id, status)
 
 

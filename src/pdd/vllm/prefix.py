@@ -37,14 +37,18 @@ class VllmPrefixIndex:
 
         A dict lookup per block; read without the engine thread, so it may be
         one step stale (a routing hint, as our engine's match)."""
+        return [b.block_id for b in self.cached_block_objects(token_ids)]
+
+    def cached_block_objects(self, token_ids: Sequence[int]) -> list:
+        """vLLM's KVCacheBlocks of that prefix (on the engine thread: to pin them)."""
         pool = self._core.scheduler.kv_cache_manager.block_pool
-        ids = []
+        out = []
         for h in self.vllm_hashes(token_ids):
             blocks = pool.get_cached_block(h, [0])
             if not blocks:
                 break
-            ids.append(blocks[0].block_id)
-        return ids
+            out.append(blocks[0])
+        return out
 
     def matched_tokens(self, token_ids: Sequence[int]) -> int:
         return len(self.cached_blocks(token_ids)) * self.block_size
