@@ -101,6 +101,11 @@ def test_low_hit_request_streams_from_rld_then_finishes_on_md(auto, reference, s
     sent = {e["target"]: e for e in tr["events"] if e["name"] == "kv_transfer"}
     assert sent.keys() == {"rld0", "md0"} and all(e["waited_s"] > 0 for e in sent.values()), sent
     assert sent["md0"]["background"] and not sent["rld0"]["background"]
+    # 400 tokens are one chunk, yet P sent its KV layer by layer while computing
+    # it (~0.5-2 s here): the line was busy during the prefill, so MD had the KV
+    # sooner after the prefill's end than the whole transfer's line time.
+    line_s = tr["wan_bytes"] / (WAN_MBPS * 1e6 / 8)
+    assert md_ready - event(tr, "prefill_end")["ts"] < line_s - 0.2, timeline(tr)
 
 
 def test_second_turn_goes_direct_and_sends_only_new_blocks(auto, reference, smollm2_dir):

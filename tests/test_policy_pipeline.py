@@ -270,3 +270,15 @@ def test_which_copies_yield_the_line():
     assert copy_yields_line(cold_turn, cfg=CFG)           # RLD serves the user meanwhile
     assert copy_yields_line(refused, cfg=CFG)             # seconds anyway: shortest-first with the copies
     assert copy_yields_line(warm_turn, warm=True, cfg=CFG)
+
+
+def test_layer_by_layer_streaming_hides_even_a_one_chunk_prompt():
+    from dataclasses import replace
+
+    from pdd.policy.pipeline import wait_after_prefill
+    p = replace(inst("p0", Role.PREFILL), prefill_tokens_s=200.0, chunk_tokens=512, kv_layer_slices=30)
+    # a warm turn's 48 new tokens compute for 0.24 s; a 0.3 s transfer is left 0.06 s after
+    assert wait_after_prefill(0.3, 48, p) == pytest.approx(0.06)
+    # ... never less than the last layer's slice of the last chunk
+    assert wait_after_prefill(0.15, 48, p) == pytest.approx(0.15 / 30)
+    assert wait_after_prefill(6.0, 4096, p) == pytest.approx(max(6.0 - 4096 / 200, 6.0 * 512 / 4096 / 30))

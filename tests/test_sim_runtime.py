@@ -400,9 +400,13 @@ def test_filtered_requests_with_a_hot_shared_prefix_warm_md():
     reqs = [WorkloadRequest(f"a{k}", 8.0 * k, shared + ids(600 + k, 400), 2) for k in range(4)]
     reqs.append(WorkloadRequest("n0", 40.0, shared + ids(700, 40), 64))
     wl = Workload("warm", reqs, {"kind": "test"}, 16)
+    # 30 MB of KV on a 40 Mbit/s line: 6 s, far longer than P's 2-4 s
+    # prefill can hide (streamed layer by layer, a 100 Mbit/s line would
+    # carry it almost all during the prefill, and direct would be right).
     mode = RuntimeMode("pdd", str(EXAMPLES / "pdd.toml"),
                        {"policy": {"relay_only_max_share": 1.0, "relay_max_token_share": 1.0,
-                                   "filter_min_io_ratio": 100.0}})       # 656 / 2 tokens: in the class
+                                   "filter_min_io_ratio": 100.0},        # 656 / 2 tokens: in the class
+                        "links": {"bandwidth_mbps": 40.0}})
     entry, records, _ = run_runtime_mode(mode, wl, Sla(3.0, 0.25))
     by_id = {r.request_id: r for r in records}
     assert [by_id[f"a{k}"].pipeline for k in range(4)] == ["relay_filtered"] * 4

@@ -80,3 +80,20 @@ def test_malformed_payload_with_valid_crc():
         F.FrameDecoder().feed(raw)
     with pytest.raises(F.FrameError, match="16 bytes"):
         F.encode_begin("r", {}, [b"short"])
+
+
+def test_part_frames_carry_a_slice_and_optionally_the_blocks_digest():
+    h = bytes(range(16))
+    plain = F.FrameDecoder().feed(F.encode_part(3, h, 100, 400, b"x" * 50))
+    assert plain == [F.Part(3, h, 100, 400, b"x" * 50, None)]
+    digest = bytes(32 * [7])
+    (sealed,) = F.FrameDecoder().feed(F.encode_part(3, h, 350, 400, b"y" * 50, digest))
+    assert sealed.digest == digest and sealed.data == b"y" * 50 and sealed.offset == 350
+    with pytest.raises(F.FrameError, match="overruns"):
+        F.encode_part(0, h, 390, 400, b"z" * 20)
+    # a slice past its block's end is refused on decode too (a forged length)
+    bad = bytearray(F.encode_part(0, h, 0, 400, b"z" * 20))
+    bad[36:40] = (395).to_bytes(4, "big")          # header 16 | index 4 | hash 16 | offset: 395 + 20 > 400
+    bad[12:16] = zlib.crc32(bytes(bad[16:])).to_bytes(4, "big")
+    with pytest.raises(F.FrameError, match="overrun"):
+        F.FrameDecoder().feed(bytes(bad))

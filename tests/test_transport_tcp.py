@@ -253,3 +253,72 @@ def test_rejecting_handler_fails_sender_with_reason():
         finally:
             await receiver.close()
     run(main())
+
+
+def _sliced(blocks, held, pieces=4):
+    """A PartSource: every missing block in `pieces` slices, blocks interleaved
+    (slice k of every block before slice k+1 of any), as P sends a chunk's
+    KV layer by layer."""
+    async def parts(skip):
+        assert skip == set(held)
+        todo = [i for i in range(len(blocks)) if i not in skip]
+        for k in range(pieces):
+            for i in todo:
+                b = blocks[i]
+                lo, hi = len(b) * k // pieces, len(b) * (k + 1) // pieces
+                await asyncio.sleep(0)
+                yield i, lo, len(b), b[lo:hi]
+    return parts
+
+
+def test_blocks_sent_in_interleaved_slices_arrive_whole_sealed_or_not():
+    from pdd.engine.kv_codec import open_block
+
+    async def main():
+        for seal in (False, True):
+            rec = Recorder(held={1, 5})
+            receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, rec)
+            sender = KVSender(SECRET, seal_blocks=seal)
+            try:
+                blocks, hashes = make_blocks(8, seed=3)
+                h = sender.send("127.0.0.1", receiver.port, "r", {}, hashes, None, deadline_s=10,
+                                parts=_sliced(blocks, {1, 5}))
+                st = await h.wait()
+                assert st.ok, st.error
+                got = rec.blocks["r"]
+                assert set(got) == set(range(8)) - {1, 5}
+                for i, payload in got.items():
+                    # sealed: the digest of the whole block, taken slice by slice at the sender
+                    assert (open_block(payload, i) if seal else payload) == blocks[i]
+                (_, rst), = rec.ends
+                assert rst.ok and rst.num_blocks_sent == st.num_blocks_sent == 6
+                assert st.payload_bytes == sum(len(blocks[i]) for i in got)
+            finally:
+                await sender.close()
+                await receiver.close()
+    run(main())
+
+
+def test_a_slice_out_of_order_fails_the_transfer_with_its_reason():
+    async def main():
+        rec = Recorder()
+        receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, rec)
+        sender = KVSender(SECRET)
+        try:
+            blocks, hashes = make_blocks(2, seed=4, size=(4_000, 4_000))
+
+            async def skipping(skip):
+                yield 0, 0, 4_000, blocks[0][:1_000]
+                yield 0, 2_000, 4_000, blocks[0][2_000:]     # a gap: 1,000 bytes never sent
+            st = await sender.send("127.0.0.1", receiver.port, "r", {}, hashes, None, deadline_s=5,
+                                   parts=skipping).wait()
+            assert not st.ok and "does not follow" in st.error, st.error
+            (_, rst), = rec.ends
+            assert not rst.ok and rec.blocks["r"] == {}
+            # the receiver keeps serving: a clean transfer on a new connection
+            ok = await sender.send("127.0.0.1", receiver.port, "r2", {}, hashes, blocks, deadline_s=5).wait()
+            assert ok.ok and rec.blocks["r2"] == dict(enumerate(blocks))
+        finally:
+            await sender.close()
+            await receiver.close()
+    run(main())

@@ -156,9 +156,10 @@ def build_metadata(
 class PagedAttention:
     """Callable(layer, q[T,H,D], k[T,KVH,D], v[T,KVH,D]) -> out[T,H,D]."""
 
-    def __init__(self, kv: torch.Tensor, md: AttentionMetadata):
+    def __init__(self, kv: torch.Tensor, md: AttentionMetadata, progress=None):
         self.kv = kv  # [L, 2, S, KVH, D]
         self.md = md
+        self.progress = progress    # StepProgress: counts the layers whose KV this step has written
         self._dec_buf: torch.Tensor | None = None  # decode gather target, reused by every layer
         self._dec_mask: torch.Tensor | None = None  # decode_mask as SDPA's additive form, made once a step
         self._each_buf: torch.Tensor | None = None  # [2, nblk_max, bs, KVH, D], same for _decode_each
@@ -170,6 +171,8 @@ class PagedAttention:
         bs = md.block_size
         kv[0].index_copy_(0, md.slot_mapping, k)
         kv[1].index_copy_(0, md.slot_mapping, v)
+        if self.progress is not None:
+            self.progress.layers_written = layer + 1
         paged = kv.view(2, S // bs, bs, KVH, D)               # [2, NB, bs, KVH, D]
         H = q.shape[1]
         if md.all_decode:

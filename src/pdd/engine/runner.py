@@ -14,6 +14,18 @@ from pdd.engine.paged_attention import PagedAttention, build_metadata
 from pdd.engine.sampler import sample
 from pdd.engine.scheduler import StepPlan
 
+class StepProgress:
+    """The step under way, for readers on other threads: which tokens of which
+    requests it computes, and how many layers' KV it has written so far. A
+    layer's KV for those tokens is final once written, so P can send it while
+    the step computes the next layers (layer-wise KV streaming)."""
+
+    def __init__(self, step: int, spans: dict[str, tuple[int, int]]):
+        self.step = step
+        self.spans = spans              # request id -> [start, end) tokens this step computes
+        self.layers_written = 0
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,6 +43,8 @@ class ModelRunner:
             model_cfg.num_layers, 2, cfg.num_blocks * cfg.block_size,
             model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype,
         )  # [L, 2, S, KVH, D]
+        self.num_steps = 0
+        self.progress: StepProgress | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -46,8 +60,12 @@ class ModelRunner:
             pos.extend(range(s.start, s.start + s.num_tokens))
             seqs.append((s.start, s.num_tokens, r.block_ids))
         md = build_metadata(seqs, self.cfg.block_size)
+        self.num_steps += 1
+        progress = StepProgress(self.num_steps, {s.request.request_id: (s.start, s.start + s.num_tokens)
+                                                 for s in plan.seqs})
+        self.progress = progress
         hidden = self.model.forward(
-            torch.tensor(ids), torch.tensor(pos), PagedAttention(self.kv, md)
+            torch.tensor(ids), torch.tensor(pos), PagedAttention(self.kv, md, progress)
         )  # [T, hidden]
         last, params, positions, rows = [], [], [], []
         tok = 0
@@ -72,6 +90,16 @@ class ModelRunner:
 
     def read_block(self, block_id: int) -> bytes:
         return self._block_view(block_id).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def read_block_layers(self, block_id: int, lo: int, hi: int) -> bytes:
+        """Layers [lo, hi) of a block: bytes [lo, hi) x layer_bytes of read_block's."""
+        bs = self.cfg.block_size
+        view = self.kv[lo:hi, :, block_id * bs : (block_id + 1) * bs]
+        return view.contiguous().view(torch.uint8).numpy().tobytes()
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[0]
 
     def write_block(self, block_id: int, payload: bytes) -> None:
         view = self._block_view(block_id)

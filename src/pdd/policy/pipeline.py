@@ -93,16 +93,18 @@ class PipelineDecision:
 def wait_after_prefill(est_wan_s: float, new_tokens: int, p: InstanceView) -> float:
     """How long after P's first token the receiver still waits for the KV.
 
-    P streams each block as soon as the chunk that fills it is computed, so a
-    transfer hides behind the prefill: what could cross while P computed has
-    crossed by its end. The last chunk's blocks exist only at the end, so a
-    prompt of one chunk (a warm turn's few new tokens) hides nothing. Without
-    P's measured prefill rate or chunk size: the whole estimate."""
+    P streams KV while it computes, so a transfer hides behind the prefill:
+    what could cross while P computed has crossed by its end. What exists only
+    at the end is the last slice of the last chunk: a chunk's blocks whole
+    (kv_layer_slices 1: a one-chunk prompt hides nothing), or its last layer
+    (P sends layer by layer: even a warm turn's few new tokens hide all but
+    1/layers of their bytes). Without P's measured prefill rate or chunk size:
+    the whole estimate."""
     rate, chunk = p.prefill_tokens_s, p.chunk_tokens
-    if not rate or rate <= 0 or chunk <= 0 or new_tokens <= chunk or not math.isfinite(est_wan_s):
+    if not rate or rate <= 0 or chunk <= 0 or new_tokens <= 0 or not math.isfinite(est_wan_s):
         return est_wan_s
     compute_s = new_tokens / rate
-    tail_s = est_wan_s * chunk / new_tokens
+    tail_s = est_wan_s * min(chunk, new_tokens) / new_tokens / max(1, p.kv_layer_slices)
     return max(est_wan_s - compute_s, tail_s)
 
 

@@ -40,6 +40,10 @@ class InstanceView:
     prefill_tokens_s: float | None = None
     # Prompt tokens one engine step computes at most (its chunk); 0: unknown.
     chunk_tokens: int = 0
+    # Slices a chunk's KV streams in while the chunk computes (P sends each
+    # layer's KV as the step passes it: the model's layer count); 1: a chunk's
+    # blocks exist only once its step is over.
+    kv_layer_slices: int = 1
 
     def __post_init__(self) -> None:
         if min(self.num_running, self.num_waiting, self.kv_free_blocks) < 0:

@@ -99,7 +99,8 @@ class Cluster:
             m.send_backlog = (s.get("kv_send_backlog") or {}).get("wan", {})
             m.view = replace(m.view, num_running=int(s["num_running"]), num_waiting=int(s["num_waiting"]),
                              kv_free_blocks=int(s["kv_free_blocks"]), kv_total_blocks=int(s["kv_total_blocks"]),
-                             step_time_s=s.get("decode_step_s"), prefill_tokens_s=s.get("prefill_tokens_s"))
+                             step_time_s=s.get("decode_step_s"), prefill_tokens_s=s.get("prefill_tokens_s"),
+                             kv_layer_slices=int(s.get("kv_stream_slices") or 1))
 
         await asyncio.gather(*(one(m) for m in self.members.values()))
 

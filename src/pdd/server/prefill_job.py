@@ -130,9 +130,7 @@ class PrefillJob:
         async def block(i: int) -> bytes:
             need = (i + 1) * bs
             while True:
-                req = engine.requests.get(rid)
-                if req is None or (self.prefilled.done() and self.prefilled.exception() is not None):
-                    raise RuntimeError("the prefill ended before its KV was complete")
+                req = self._streamed_request()
                 gen = req.num_preemptions
                 if req.num_computed_tokens >= need and len(req.block_ids) > i:
                     data = read(req.block_ids[i])
@@ -145,7 +143,67 @@ class PrefillJob:
         async def finish() -> dict:
             return {"first_token": await asyncio.shield(self.prefilled)}
 
-        self._send(target, manifest, rid, {}, block, finish)
+        runner = engine.runner
+        if getattr(runner, "read_block_layers", None) is None:
+            self._send(target, manifest, rid, {}, block, finish)
+            return
+        self._send(target, manifest, rid, {}, None, finish,
+                   parts=lambda held: self._layer_slices(nblk, held))
+
+    def _streamed_request(self) -> EngineRequest:
+        req = self.server.engine.requests.get(self.request_id)
+        if req is None or (self.prefilled.done() and self.prefilled.exception() is not None):
+            raise RuntimeError("the prefill ended before its KV was complete")
+        return req
+
+    async def _layer_slices(self, nblk: int, held: set[int]):
+        """The prompt's blocks layer by layer, as the engine writes them: a
+        chunk's KV for layer l is final once the step computing the chunk has
+        passed layer l, so it can be on the line while the step computes the
+        layers above (the whole chunk, not just earlier chunks, hides behind
+        the prefill). A block's layers go in order; the blocks of a chunk
+        interleave, so all of them advance together. Yields (block, byte
+        offset, block bytes, slice) for the sender's PART frames."""
+        engine = self.server.engine
+        runner, bs = engine.runner, engine.cfg.block_size
+        num_layers = runner.num_layers
+        layer_bytes = engine.layout.block_bytes // num_layers
+        sent = {i: 0 for i in range(nblk) if i not in held}     # block -> layers sent
+        while sent:
+            req = self._streamed_request()
+            gen = req.num_preemptions
+            computed = req.num_computed_tokens
+            prog = runner.progress
+            span = prog.spans.get(self.request_id) if prog is not None else None
+            layers_now = prog.layers_written if span is not None else 0
+            out = []
+            for i in sorted(sent):
+                need = (i + 1) * bs
+                if len(req.block_ids) <= i:
+                    break
+                if computed >= need:
+                    upto = num_layers
+                elif span is not None and span[0] <= computed and span[1] >= need:
+                    upto = layers_now
+                else:
+                    break
+                lo = sent[i]
+                if upto > lo:
+                    out.append((i, lo, upto, runner.read_block_layers(req.block_ids[i], lo, upto)))
+            # Valid only if the request kept its blocks while we read them.
+            if req.num_preemptions != gen or self.server.engine.requests.get(self.request_id) is not req:
+                await asyncio.sleep(STREAM_POLL_S)
+                continue
+            for i, lo, upto, data in out:
+                yield i, lo * layer_bytes, num_layers * layer_bytes, data
+                sent[i] = upto
+                if upto == num_layers:
+                    del sent[i]
+            if sent:
+                await asyncio.sleep(STREAM_POLL_S)
+
+        async def finish() -> dict:
+            return {"first_token": await asyncio.shield(self.prefilled)}
 
     def _in_flight(self) -> bool:
         return any(not h.done for h in self.transfers.values())
@@ -165,14 +223,15 @@ class PrefillJob:
         meta = {"first_token": self.first_token} | extra
         self._send(target, manifest, rid, meta, lambda i: read(block_ids[i]), None)
 
-    def _send(self, target: dict, manifest: KVManifest, rid: str, meta: dict, get_block, finish) -> None:
+    def _send(self, target: dict, manifest: KVManifest, rid: str, meta: dict, get_block, finish,
+              parts=None) -> None:
         name = str(target["name"])
         handle = self.server.sender.send(
             str(target["host"]), int(target["kv_port"]), rid, manifest.to_meta() | meta,
             list(manifest.block_hashes), get_block,
             deadline_s=float(target.get("deadline_s", self.server.spec.kv_deadline_s)),
             line=str(target.get("link", "local")), background=bool(target.get("background", False)),
-            finish=finish, block_bytes=self.server.engine.layout.block_bytes,
+            finish=finish, block_bytes=self.server.engine.layout.block_bytes, parts=parts,
         )
         self.transfers[name] = handle
         asyncio.get_running_loop().create_task(self._report(name, target.get("link", "local"), handle,

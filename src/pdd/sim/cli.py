@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--loopback-mbps", type=float, default=None, help="local KV link")
     r.add_argument("--no-stream-kv", action="store_true",
                    help="P sends KV after the whole prefill (runs recorded before it streamed)")
+    r.add_argument("--no-layer-stream", action="store_true",
+                   help="P streams a chunk's KV only once the chunk is computed, not layer by layer "
+                        "(runs recorded before it did)")
     r.add_argument("--no-jitter", action="store_true",
                    help="step times exactly as fitted, without the measured scatter")
     r.add_argument("--jitter-seed", type=int, default=0, help="seed of the step-time jitter")
@@ -104,7 +107,8 @@ def _options(args):
     if args.loopback_mbps is not None:
         o = dataclasses.replace(o, loopback_gbps=args.loopback_mbps / 1e3)
     return dataclasses.replace(o, step_jitter=not args.no_jitter, seed=args.jitter_seed,
-                               stream_kv=not args.no_stream_kv)
+                               stream_kv=not args.no_stream_kv,
+                               stream_kv_layers=not (args.no_stream_kv or args.no_layer_stream))
 
 
 def _calibration(args):

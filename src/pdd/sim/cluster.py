@@ -133,8 +133,12 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         # after the prefill and its last chunk's bytes.
         self.stream_kv = sv is not None and sv.stream_kv and not self.manifest_wait
         self.after_prefill: dict[str, list] = {}     # request id -> flows done before its prefill
+        # ... and, layer by layer, a chunk's KV while the chunk computes: only
+        # the last layer's slice of the last chunk is left at the end.
+        self.kv_layer_slices = self.model.num_layers if self.stream_kv and sv.stream_kv_layers else 1
         for inst in self.instances.values():
             inst.streams_kv = self.stream_kv
+            inst.kv_layer_slices = self.kv_layer_slices
         self.import_wait = sv.import_wait if sv is not None else "none"
         if sv is not None:
             for inst in self.instances.values():

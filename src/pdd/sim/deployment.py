@@ -61,6 +61,7 @@ class RuntimeOptions:
     manifest_after_step: bool = False   # P reads the KV manifest only after its next step (the server did until it read it at once)
     import_wait: str = "submit"         # none | submit (as the server: only the decode submit waits a step) | batch | block
     stream_kv: bool = True              # P streams blocks as it computes them (the server today; False: as before)
+    stream_kv_layers: bool = True       # ... a chunk's KV layer by layer (the server today; False: block by block)
     measured_wan_rate: bool = False     # cap one WAN transfer at the KV rate P measured (tried, off: see docs/SIMULATOR.md)
     step_jitter: bool = True            # draw step times about the fit with the calibration's measured scatter
     seed: int = 0                       # of that jitter
@@ -158,7 +159,8 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
     match = DeployRole.MAIN in roles or (DeployRole.COLOCATED in roles and len(spec.instances) > 1)
     serving = ServingOverheads(spec.router_datacenter, opts.request_s, opts.token_s, match,
                                manifest_after_step=opts.manifest_after_step,
-                               import_wait=opts.import_wait, stream_kv=opts.stream_kv)
+                               import_wait=opts.import_wait, stream_kv=opts.stream_kv,
+                               stream_kv_layers=opts.stream_kv_layers)
     return ModeSpec(name or spec.name, tuple(pools), PolicyConfig.from_dict(spec.policy), rdma,
                     wan, serving, seed=opts.seed,
                     core_sharing=calibration.core_sharing if calibration is not None else 1.0)

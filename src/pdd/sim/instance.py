@@ -129,6 +129,7 @@ class SimInstance:
         self.step_time_s: float | None = None
         self.prefill_tokens_s: float | None = None   # measured as the engine does (stats)
         self.streams_kv = False      # P sends blocks while it computes (set by the cluster)
+        self.kv_layer_slices = 1     # ... and a chunk's KV layer by layer (the model's layers; set by the cluster)
         self.busy_s = 0.0
         self.num_steps = 0
         self._start = 0.0
@@ -206,7 +207,8 @@ class SimInstance:
             num_waiting=len(self.waiting) + len(self.jobs) - started,
             max_batch=self.max_batch, kv_free_blocks=self.free_blocks,
             kv_total_blocks=self.kv_blocks, step_time_s=self.step_time_s,
-            prefill_tokens_s=self.prefill_tokens_s, chunk_tokens=self.token_budget if self.streams_kv else 0)
+            prefill_tokens_s=self.prefill_tokens_s, chunk_tokens=self.token_budget if self.streams_kv else 0,
+            kv_layer_slices=self.kv_layer_slices)
 
     # --- stepping ---------------------------------------------------------
     def _admit(self) -> None:

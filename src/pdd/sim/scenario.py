@@ -127,6 +127,9 @@ class ServingOverheads:
     # P streams each block to its receivers as soon as its chunk is computed
     # (the server today); False: it sends after the whole prefill (before).
     stream_kv: bool = False
+    # ... and a chunk's KV layer by layer while the chunk computes (the server
+    # today); False: a chunk's blocks once its step is over.
+    stream_kv_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.import_wait not in ("none", "submit", "batch", "block"):

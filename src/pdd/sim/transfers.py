@@ -137,13 +137,14 @@ class TransfersMixin:
 
     def _tails_after_prefill(self, req: SimRequest, job, now: float) -> list[Event]:
         """The prefill is over: streamed transfers that kept pace land once the
-        last chunk's blocks have crossed."""
+        last chunk's last slice has crossed (its blocks, or, streamed layer by
+        layer, their last layer)."""
         evs: list[Event] = []
         for flow, name in self.after_prefill.pop(req.spec.request_id, []):
             if flow.flow_id not in self.flows:
                 continue        # cancelled or cut meanwhile
             link = self.links[name]
-            tail = min(flow.num_bytes, job.last_chunk * self.model.kv_bytes_per_token)
+            tail = min(flow.num_bytes, job.last_chunk * self.model.kv_bytes_per_token) / self.kv_layer_slices
             delay = tail / link.bandwidth_bytes_s + link.rtt_s / 2
             self.flow_yielded[flow.flow_id] += now + delay - self.loop.now   # waited for P, not the line
             evs.append(self._later(delay, name, lambda t, f=flow, n=name: self._arrive(f, n, t)))

@@ -15,6 +15,11 @@ silently wrong KV. Payloads (big-endian):
     BEGIN      id len u16 | id utf8 | meta len u32 | meta JSON | deadline_s f64 | n u32 | n x hash (16)
     HAVE       n u32 | bitmap, ceil(n/8) bytes, bit i (LSB first) = receiver holds block i
     BLOCK      index u32 | hash (16) | payload
+    PART       index u32 | hash (16) | offset u32 | total u32 | flags u8 | [digest (32)] | bytes
+               a slice of a block's payload at `offset` (slices in order, no gaps);
+               the block counts as received once `total` bytes are in. flags bit 0:
+               the block's digest (a sealed block's SHA-256) comes with this slice.
+               Lets P send a chunk's KV layer by layer while it computes the chunk.
     END        number of BLOCK frames u32 (sender: sent; receiver's ack: received)
                [| meta JSON: what the sender learnt while streaming, e.g. P's first token]
     ERROR      utf8 message
@@ -44,6 +49,8 @@ PREAUTH_MAX_FRAME_BYTES = 4096
 _HEADER = struct.Struct(">4sBBHII")
 HEADER_BYTES = _HEADER.size  # 16
 _BLOCK_HEAD = struct.Struct(">I16s")
+_PART_HEAD = struct.Struct(">I16sIIB")
+DIGEST_BYTES = 32
 
 
 class FrameType(IntEnum):
@@ -56,6 +63,7 @@ class FrameType(IntEnum):
     END = 7
     ERROR = 8
     CANCEL = 9
+    PART = 10
 
 
 class FrameError(Exception):
@@ -106,6 +114,16 @@ class Block(_Frame):
 
 
 @dataclass
+class Part(_Frame):
+    index: int
+    block_hash: bytes
+    offset: int
+    total: int
+    data: bytes
+    digest: bytes | None = None    # the whole block's seal, if this slice carries it
+
+
+@dataclass
 class End(_Frame):
     num_blocks: int
     meta: dict = field(default_factory=dict)
@@ -121,7 +139,7 @@ class Cancel(_Frame):
     reason: str
 
 
-Frame = Union[Hello, Challenge, Auth, Begin, Have, Block, End, Error, Cancel]
+Frame = Union[Hello, Challenge, Auth, Begin, Have, Block, Part, End, Error, Cancel]
 
 
 def encode_frame(ftype: FrameType, payload: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
@@ -169,6 +187,16 @@ def encode_block(index: int, block_hash: bytes, payload: bytes,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
     head = _BLOCK_HEAD.pack(index, _exact(block_hash, HASH_BYTES, "block hash"))
     return encode_frame(FrameType.BLOCK, head + bytes(payload), max_frame_bytes)
+
+
+def encode_part(index: int, block_hash: bytes, offset: int, total: int, data: bytes,
+                digest: bytes | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    if offset < 0 or offset + len(data) > total:
+        raise FrameError(f"PART of {len(data)} bytes at {offset} overruns its block of {total}")
+    head = _PART_HEAD.pack(index, _exact(block_hash, HASH_BYTES, "block hash"), offset, total,
+                           0 if digest is None else 1)
+    seal = b"" if digest is None else _exact(digest, DIGEST_BYTES, "block digest")
+    return encode_frame(FrameType.PART, head + seal + bytes(data), max_frame_bytes)
 
 
 def encode_end(num_blocks: int, meta: dict | None = None) -> bytes:
@@ -272,6 +300,17 @@ def _parse(ftype: int, body: memoryview) -> Frame:
         if kind == FrameType.BLOCK:
             index, block_hash = _BLOCK_HEAD.unpack_from(body, 0)
             return Block(index, block_hash, bytes(body[_BLOCK_HEAD.size :]))
+        if kind == FrameType.PART:
+            index, block_hash, offset, total, flags = _PART_HEAD.unpack_from(body, 0)
+            pos = _PART_HEAD.size
+            digest = None
+            if flags & 1:
+                digest = _exact(bytes(body[pos : pos + DIGEST_BYTES]), DIGEST_BYTES, "PART digest")
+                pos += DIGEST_BYTES
+            data = bytes(body[pos:])
+            if offset + len(data) > total:
+                raise ValueError(f"{len(data)} bytes at {offset} overrun a block of {total}")
+            return Part(index, block_hash, offset, total, data, digest)
         data = bytes(body)
         if kind == FrameType.HELLO:
             return Hello(_exact(data, NONCE_BYTES, "HELLO payload"))

@@ -9,6 +9,8 @@ next). Per connection:
               stranger costs us a few KB and a task, never a declared frame
     loop: BEGIN -> handler.on_begin -> HAVE -> BLOCK* (handler.on_block each)
           -> END -> handler.on_end(SUCCESS) -> END ack
+          (a block may come as PART slices instead, in order: it is assembled
+          here and reaches on_block whole, once its last slice is in)
 Every begun transfer ends with exactly one handler.on_end(status), also on a
 corrupt frame, CANCEL, stall, deadline (BEGIN's deadline + grace), dead peer,
 handler error or receiver shutdown; after a failure the connection is closed
@@ -31,7 +33,7 @@ from typing import Any, Protocol
 
 from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, server_handshake
 from pdd.transport.frames import (
-    DEFAULT_MAX_FRAME_BYTES, Begin, Block, Cancel, End, Error, FrameError, encode_end, encode_error, encode_have,
+    DEFAULT_MAX_FRAME_BYTES, Begin, Block, Cancel, End, Error, FrameError, Part, encode_end, encode_error, encode_have,
 )
 from pdd.transport.state import TransferState, TransferStatus
 from pdd.transport.stream import STREAM_LIMIT_BYTES, FrameStream
@@ -212,9 +214,14 @@ class KVReceiver:
             status.num_blocks_skipped = len(held)
             status.state = TransferState.TRANSFERRING
             stream.write(encode_have(n, held))
+            partial: dict[int, list] = {}      # block index -> [bytearray, total, digest]
             while True:
                 frame = await self._next_frame(stream, status, deadline)
                 status.bytes_received += frame.wire_bytes
+                if isinstance(frame, Part):
+                    frame = self._assemble(begin, missing, partial, frame)
+                    if frame is None:
+                        continue
                 if isinstance(frame, Block):
                     try:
                         async with asyncio.timeout_at(self._loop_deadline(deadline)):
@@ -276,6 +283,34 @@ class KVReceiver:
             if deadline is not None and time.monotonic() >= deadline - 1e-3:
                 raise TimeoutError(f"transfer deadline passed {where}") from None
             raise TimeoutError(f"sender stalled: no frame for {self.stall_timeout_s} s {where}") from None
+
+    def _assemble(self, begin: Begin, missing: set[int], partial: dict[int, list], part: Part) -> Block | None:
+        """One slice of a block; the whole block once its last slice is in."""
+        i = part.index
+        if i not in missing:
+            raise _TransferFailed(f"unexpected slice of block {i} (not missing, duplicate or out of range)")
+        if part.block_hash != begin.block_hashes[i]:
+            raise _TransferFailed(f"block {i} hash does not match the one announced in BEGIN")
+        if part.total > self.max_frame_bytes:
+            raise _TransferFailed(f"block {i} of {part.total} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
+        got = partial.get(i)
+        if got is None:
+            if part.offset != 0:
+                raise _TransferFailed(f"block {i}: first slice at offset {part.offset}, not 0")
+            got = partial[i] = [bytearray(), part.total, None]
+        elif part.offset != len(got[0]) or part.total != got[1]:
+            raise _TransferFailed(f"block {i}: slice at {part.offset} of {part.total} bytes does not follow "
+                                  f"the {len(got[0])} of {got[1]} received")
+        if part.digest is not None:
+            if got[2] is not None:
+                raise _TransferFailed(f"block {i}: a second digest")
+            got[2] = part.digest
+        got[0] += part.data
+        if len(got[0]) < got[1]:
+            return None
+        del partial[i]
+        payload = bytes(got[0]) if got[2] is None else got[2] + got[0]
+        return Block(i, part.block_hash, bytes(payload))
 
     async def _accept_block(self, status: TransferStatus, begin: Begin, missing: set[int], block: Block) -> None:
         if block.index not in missing:

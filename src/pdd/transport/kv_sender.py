@@ -26,22 +26,28 @@ receiver's cap on unauthenticated connections, which closes excess ones.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import ssl
 import time
-from typing import Awaitable, Callable, Sequence, Union
+from typing import AsyncIterator, Awaitable, Callable, Sequence, Union
 
 from pdd.engine.kv_codec import BLOCK_DIGEST, seal_block
 from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, client_handshake
 from pdd.transport.priority import SLICE_BYTES, LineGate
 from pdd.transport.frames import (
     DEFAULT_MAX_FRAME_BYTES, End, Error, FrameError, Have, encode_begin, encode_block, encode_cancel, encode_end,
+    encode_part,
 )
 from pdd.transport.state import TransferState, TransferStatus
 from pdd.transport.stream import STREAM_LIMIT_BYTES, FrameStream
 from pdd.transport.tls import TlsPeer
 
 BlockSource = Union[Sequence[bytes], Callable[[int], Union[bytes, Awaitable[bytes]]]]
+# Streaming in slices: given the blocks the receiver holds, yields
+# (block index, byte offset, block bytes, slice) for every other block, each
+# block's slices in order from offset 0 (blocks may interleave).
+PartSource = Callable[[set[int]], AsyncIterator[tuple[int, int, int, bytes]]]
 # (host, port) -> how to reach it over TLS, or None: plain TCP there
 TlsResolver = Callable[[str, int], Union[TlsPeer, None]]
 DEFAULT_DEADLINE_S = 60.0
@@ -124,24 +130,27 @@ class KVSender:
     def send(self, host: str, port: int, request_id: str, meta: dict, block_hashes: list[bytes],
              get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S, *,
              line: str | None = None, background: bool = False,
-             finish: Callable[[], Awaitable[dict]] | None = None, block_bytes: int = 0) -> TransferHandle:
+             finish: Callable[[], Awaitable[dict]] | None = None, block_bytes: int = 0,
+             parts: PartSource | None = None) -> TransferHandle:
         """Starts the transfer as a task of the running loop and returns at once.
         `line` names the link it crosses; on it a `background` transfer yields to
         the others (`pdd.transport.priority`). No line: no priority.
         Streaming: `get_block` may wait until a block exists, and `finish`, when
         given, is awaited after the last block; what it returns travels in END
-        (P's first token, known only once the prefill is over)."""
+        (P's first token, known only once the prefill is over). `parts`, when
+        given, replaces `get_block`: the blocks in slices as they come to exist
+        (P sends a chunk's KV layer by layer while computing it)."""
         status = TransferStatus(request_id, num_blocks=len(block_hashes), started_s=time.monotonic(), meta=dict(meta))
         handle = TransferHandle(status)
         handle.line, handle.background, handle.block_bytes = line, background, block_bytes
-        if not callable(get_block):
+        if parts is None and not callable(get_block):
             blocks = get_block
             if len(blocks) != len(block_hashes):
                 raise ValueError(f"{len(blocks)} blocks for {len(block_hashes)} hashes")
             get_block = blocks.__getitem__
         handle.task = asyncio.get_running_loop().create_task(
             self._run(handle, host, port, meta, list(block_hashes), get_block, deadline_s, line, background,
-                      finish))
+                      finish, parts))
         self._active.add(handle)
         handle.task.add_done_callback(lambda _t: self._active.discard(handle))
         return handle
@@ -257,12 +266,47 @@ class KVSender:
                 if held:
                     self.gate.release(line, key)
 
+    async def _send_blocks(self, stream: FrameStream, answer: asyncio.Future, hashes: list[bytes], held: set[int],
+                           get_block: Callable, parts: PartSource | None, status: TransferStatus,
+                           line: str | None, background: bool, dest: tuple[str, int]) -> None:
+        """Every block the receiver lacks: whole (BLOCK), or as the source's
+        slices (PART, the seal's digest with the last one)."""
+        source = parts(set(held)) if parts is not None else _whole_blocks(get_block, len(hashes), held)
+        digests: dict[int, "hashlib._Hash"] = {}
+        try:
+            while not answer.done():
+                t0 = time.monotonic()
+                try:
+                    i, offset, total, data = await source.__anext__()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    status.waited_s += time.monotonic() - t0
+                last = offset + len(data) >= total
+                if offset == 0 and last:
+                    wire = seal_block(data) if self.seal_blocks else data
+                    frame = encode_block(i, hashes[i], wire, self.max_frame_bytes)
+                else:
+                    digest = None
+                    if self.seal_blocks:
+                        h = digests.setdefault(i, hashlib.sha256())
+                        h.update(data)
+                        if last:
+                            digest = digests.pop(i).digest()
+                    frame = encode_part(i, hashes[i], offset, total, data, digest, self.max_frame_bytes)
+                status.num_blocks_sent += last
+                status.payload_bytes += len(data)
+                await self._write_block(stream, frame, line, background, status, dest, hashes[-1])
+        finally:
+            await source.aclose()
+
     async def _run(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
                    get_block: Callable, deadline_s: float, line: str | None = None,
-                   background: bool = False, finish: Callable | None = None) -> None:
+                   background: bool = False, finish: Callable | None = None,
+                   parts: PartSource | None = None) -> None:
         try:
             await self._transfer(handle, host, port, meta, hashes, get_block, deadline_s, line, background,
-                                 finish)
+                                 finish, parts)
         finally:
             self._let_go(handle)
 
@@ -273,7 +317,7 @@ class KVSender:
 
     async def _transfer(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
                         get_block: Callable, deadline_s: float, line: str | None, background: bool,
-                        finish: Callable | None) -> None:
+                        finish: Callable | None, parts: PartSource | None = None) -> None:
         status = handle.status
         stream: FrameStream | None = None
         try:
@@ -306,22 +350,8 @@ class KVSender:
                 # the reset our next write would meet.
                 answer = asyncio.ensure_future(stream.read_frame(None))
                 try:
-                    for i, block_hash in enumerate(hashes):
-                        if answer.done():
-                            break
-                        if i in have.indices:
-                            continue
-                        payload = get_block(i)
-                        if inspect.isawaitable(payload):
-                            t0 = time.monotonic()
-                            payload = await payload
-                            status.waited_s += time.monotonic() - t0
-                        wire_payload = seal_block(payload) if self.seal_blocks else payload
-                        frame = encode_block(i, block_hash, wire_payload, self.max_frame_bytes)
-                        status.num_blocks_sent += 1
-                        status.payload_bytes += len(payload)
-                        await self._write_block(stream, frame, line, background, status, (host, port),
-                                                hashes[-1])
+                    await self._send_blocks(stream, answer, hashes, have.indices, get_block, parts, status,
+                                            line, background, (host, port))
                     self._let_go(handle)
                     extra = None
                     if finish is not None and not answer.done():
@@ -383,6 +413,17 @@ class KVSender:
         status.fail(error, time.monotonic())
         if stream is not None:
             stream.abort()
+
+
+async def _whole_blocks(get_block: Callable, n: int, held: set[int]) -> AsyncIterator[tuple[int, int, int, bytes]]:
+    """The blocks the receiver lacks, whole, in order, from a per-block source."""
+    for i in range(n):
+        if i in held:
+            continue
+        payload = get_block(i)
+        if inspect.isawaitable(payload):
+            payload = await payload
+        yield i, 0, len(payload), payload
 
 
 async def _late_peer_error(stream: FrameStream) -> str:
