@@ -7,7 +7,9 @@ from pdd.policy import (
     PolicyConfig, Role, SendBatch, choose_handoff_mode,
 )
 
-CFG = PolicyConfig()
+# The batches as the policy decides them; sending the final one with RLD's
+# next token (`handoff_on_rld_token`, on by default) has its own tests below.
+CFG = PolicyConfig(handoff_on_rld_token=False)
 
 
 def rld(running):
@@ -43,7 +45,7 @@ def test_catch_up_sequence():
 
 
 def test_catch_up_forces_final_after_max_batches():
-    s = HandoffSession("r", HandoffMode.CATCH_UP, PolicyConfig(catchup_max_batches=2))
+    s = HandoffSession("r", HandoffMode.CATCH_UP, PolicyConfig(catchup_max_batches=2, handoff_on_rld_token=False))
     s.on_md_ready(0.0, 100)
     assert not s.on_batch_extended(1.0, 100, 200).final
     assert s.on_batch_extended(2.0, 200, 300) == SendBatch(200, 300, True)
@@ -99,17 +101,27 @@ def test_failure_resumes_rld_where_it_stopped():
     increments=st.lists(st.integers(0, 80), min_size=12, max_size=12),
     final_max=st.integers(0, 16),
     max_batches=st.integers(1, 6),
+    on_token=st.booleans(),
 )
 def test_session_always_ends_with_contiguous_batches(mode, first, increments, final_max,
-                                                     max_batches):
+                                                     max_batches, on_token):
     cfg = PolicyConfig(catchup_final_max_tokens=final_max, catchup_threshold_tokens=64,
-                       catchup_max_batches=max_batches)
+                       catchup_max_batches=max_batches, handoff_on_rld_token=on_token)
     s = HandoffSession("r", mode, cfg)
     generated = first
     action = s.on_md_ready(0.0, generated)
     last_call_generated = generated
     steps = iter(increments)
-    while isinstance(action, SendBatch):
+    while True:
+        if action is None:
+            # Armed: the final batch goes out with RLD's next token, and holds it.
+            assert on_token and s.state is HandoffState.ARMED and s.rld_stop_at is None
+            generated += 1
+            last_call_generated = generated
+            action = s.on_rld_token(1.5, generated)
+            assert action.final and action.end == generated
+        if not isinstance(action, SendBatch):
+            break
         batch = action
         if batch.final:
             final_generated = last_call_generated
@@ -128,3 +140,22 @@ def test_session_always_ends_with_contiguous_batches(mode, first, increments, fi
     if mode is HandoffMode.ONE_SHOT:
         assert len(batches) == 1
     assert len(batches) <= max_batches + 1
+
+
+def test_an_armed_final_batch_goes_with_rlds_next_token_and_can_still_fail_back():
+    cfg = PolicyConfig()                      # handoff_on_rld_token: the default
+    s = HandoffSession("r", HandoffMode.ONE_SHOT, cfg)
+    assert s.on_md_ready(1.0, 7) is None and s.state is HandoffState.ARMED
+    assert s.in_flight is None and s.rld_stop_at is None        # RLD keeps the stream meanwhile
+    assert s.on_rld_token(1.1, 8) == SendBatch(0, 8, True)      # RLD's 8th token is out: pause now
+    assert s.rld_stop_at == 8 and s.on_batch_extended(1.3, 8, 8) == Complete(8)
+    # Armed, then RLD ends the request: nothing to hand over.
+    s = HandoffSession("r", HandoffMode.ONE_SHOT, cfg)
+    s.on_md_ready(1.0, 3)
+    assert s.on_rld_finished(1.2, 4) == Abandon(4, "request ended on RLD")
+    # Armed, then MD fails: RLD resumes from what it had generated, MD was promised nothing.
+    s = HandoffSession("r", HandoffMode.CATCH_UP, cfg)
+    first = s.on_md_ready(1.0, 100)
+    assert first == SendBatch(0, 100, False)
+    assert s.on_batch_extended(1.4, 100, 105) is None and s.state is HandoffState.ARMED
+    assert s.on_failed(1.5, "md down") == Abandon(105, "md down")

@@ -16,7 +16,10 @@ from pdd.policy.lifecycle_io import (
 )
 from lifecycle_world import World, ref
 
-CFG = PolicyConfig()
+# Final batches as soon as the session decides them; sending them with RLD's
+# next token (the default) is tested on its own below and in the event-order
+# properties (tests/test_policy_lifecycle_orders.py).
+CFG = PolicyConfig(handoff_on_rld_token=False)
 REQ = RequestFacts("req", 4096, 20, 1000, 16)
 
 
@@ -102,8 +105,29 @@ def test_relay_one_shot_handoff():
     assert lc.handoff_s == pytest.approx(5.0 - 1.6) and lc.handoff_batches == 1
 
 
+def test_the_final_batch_goes_with_rlds_next_token():
+    lc, _ = started(RELAY, cfg=PolicyConfig())
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 5)
+    lc.handle(TransferEnded(1.5, "m0", True))
+    # MD is ready mid-way through RLD's inter-token gap: nothing goes yet ...
+    out = lc.handle(KvReady(1.6, rld_view()))
+    assert of(out, PauseRld) == [] and of(out, ExtendMd) == [] and lc.stop_at is None
+    # ... RLD's token 5 is shown, and right behind it the final batch leaves.
+    out = rld_tokens(lc, 5, 6)
+    assert emitted(out) == [(5, ref(5), Leg.RLD)]
+    assert of(out, PauseRld) == [PauseRld("r0")]
+    assert of(out, ExtendMd) == [ExtendMd("m0", tuple(ref(i) for i in range(1, 6)), True)]
+    assert lc.stop_at == 6
+    assert emitted(rld_tokens(lc, 6, 7)) == []            # held back: MD makes token 6
+    out = md_tokens(lc, 6, 20)
+    assert emitted(out) == [(i, ref(i), Leg.MD) for i in range(6, 20)]
+    assert lc.handle(DecodeEnded(3.0, Leg.MD, EndReason.LENGTH))[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH)
+
+
 def test_relay_catch_up_handoff_sends_batches_until_the_gap_is_small():
-    cfg = PolicyConfig(handoff_mode="catch_up", catchup_final_max_tokens=2)
+    cfg = PolicyConfig(handoff_mode="catch_up", catchup_final_max_tokens=2, handoff_on_rld_token=False)
     lc, _ = started(RELAY, max_tokens=40, cfg=cfg)
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))

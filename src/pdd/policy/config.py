@@ -83,6 +83,11 @@ class PolicyConfig:
     handoff_mode: HandoffOverride = HandoffOverride.AUTO
     catchup_threshold_tokens: int = 64
     catchup_final_max_tokens: int = 8
+    # Send the final batch just after RLD's next token reaches the router, not
+    # whenever MD gets ready: RLD then pauses with a whole inter-token gap
+    # ahead, and the user's stall is MD's extend alone, not also the part of
+    # RLD's gap that had already passed (on average half an ITL).
+    handoff_on_rld_token: bool = True
     catchup_max_batches: int = 4      # non-final batches before forcing the final one
     rld_busy_fraction: float = 0.75
 

@@ -27,6 +27,10 @@ Actions returned to the data plane:
 
 One-shot: a single final batch of all eager tokens at `on_md_ready`; RLD
 stops decoding at once (shortest RLD occupancy, one bigger extend on MD).
+With `handoff_on_rld_token`, a final batch is *armed* instead
+(ARMED --on_rld_token--> FINAL_IN_FLIGHT): it goes out with RLD's next
+token, so RLD pauses right after emitting one and the user's stall is MD's
+extend, not also the time since RLD's last token.
 Catch-up: a non-final batch of what RLD has so far while RLD keeps decoding;
 then, after each extend, the tokens generated meanwhile, until the gap is at
 most `catchup_final_max_tokens` (or `catchup_max_batches` non-final batches
@@ -55,6 +59,7 @@ class HandoffState(Enum):
     AWAITING_MD = "awaiting_md"
     EXTENDING = "extending"              # a non-final batch is being extended on MD
     FINAL_IN_FLIGHT = "final_in_flight"  # RLD stopped; MD extends the last batch
+    ARMED = "armed"                      # the final batch goes with RLD's next token
     DONE = "done"
     ENDED_ON_RLD = "ended_on_rld"        # RLD finished the request first
     FAILED = "failed"
@@ -119,6 +124,7 @@ class HandoffSession:
         self.state = HandoffState.AWAITING_MD
         self._batches: list[SendBatch] = []
         self._last_generated = 0
+        self._armed_start = 0
         self.md_ready_s: float | None = None
         self.done_s: float | None = None
 
@@ -148,6 +154,13 @@ class HandoffSession:
                  or num_generated <= self.cfg.catchup_final_max_tokens)
         return self._send(0, num_generated, final)
 
+    def on_rld_token(self, now: float, num_generated: int) -> SendBatch | None:
+        """RLD's token reached the router: an armed final batch goes now."""
+        if self.state is not HandoffState.ARMED:
+            return None
+        self._advance(num_generated)
+        return self._send(self._armed_start, num_generated, True)
+
     def on_batch_extended(self, now: float, upto: int, num_generated: int) -> SendBatch | Complete:
         """MD extended through `upto`; RLD has generated `num_generated` so far."""
         batch = self.in_flight
@@ -171,7 +184,7 @@ class HandoffSession:
 
     def on_rld_finished(self, now: float, num_generated: int) -> Abandon:
         """RLD ended the request (EOS or max_tokens) before the final batch."""
-        if self.state not in (HandoffState.AWAITING_MD, HandoffState.EXTENDING):
+        if self.state not in (HandoffState.AWAITING_MD, HandoffState.EXTENDING, HandoffState.ARMED):
             raise HandoffError(f"{self.request_id}: on_rld_finished in state {self.state.name}")
         self._advance(num_generated)
         self.state = HandoffState.ENDED_ON_RLD
@@ -199,7 +212,11 @@ class HandoffSession:
                                f"{self._last_generated} to {num_generated}")
         self._last_generated = num_generated
 
-    def _send(self, start: int, end: int, final: bool) -> SendBatch:
+    def _send(self, start: int, end: int, final: bool) -> SendBatch | None:
+        if final and self.cfg.handoff_on_rld_token and self.state is not HandoffState.ARMED:
+            self._armed_start = start
+            self.state = HandoffState.ARMED
+            return None
         batch = SendBatch(start, end, final)
         self._batches.append(batch)
         self.state = HandoffState.FINAL_IN_FLIGHT if final else HandoffState.EXTENDING

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from pdd.policy.config import PolicyConfig
 from pdd.policy.filter import RelayBudgets
-from pdd.policy.handoff import Complete, HandoffSession, SendBatch, new_session
+from pdd.policy.handoff import Complete, HandoffSession, HandoffState, SendBatch, new_session
 from pdd.policy.lifecycle_io import (
     Abort, ClientGone, CloseStream, Command, DeadlinePassed, DecodeEnded, DecodeToken, DecodeTokens, Emit,
     EmitRun, EndReason, Extended, ExtendMd, Fact, Finish, FinishReason, KvReady, Leg, Note, OpenDecode,
@@ -236,9 +236,11 @@ class RequestLifecycle(RecoveryRules):
             if self.done is not None:
                 return
             one = DecodeToken(f.now, f.leg, f.first_index + k, tok, f.rld)
-            self._on_rld_token(one, live_filter=k == last) if f.leg is Leg.RLD else self._on_md_token(one)
+            self._on_rld_token(one, last=k == last) if f.leg is Leg.RLD else self._on_md_token(one)
 
-    def _on_rld_token(self, f: DecodeToken, live_filter: bool = True) -> None:
+    def _on_rld_token(self, f: DecodeToken, last: bool = True) -> None:
+        """One of RLD's tokens; `last`: no more of its batch follow (the live
+        filter and an armed handoff act once, after the batch)."""
         if self.owner is not Leg.RLD:
             return
         if self.stop_at is not None and f.index >= self.stop_at:
@@ -250,7 +252,9 @@ class RequestLifecycle(RecoveryRules):
         if self.md_ready_pending:
             self.md_ready_pending = False
             self._new_session(f.now)
-        if live_filter:
+        if last and self.session is not None and self.session.state is HandoffState.ARMED:
+            self._do(f.now, self.session.on_rld_token(f.now, len(self.tokens)))
+        if last:
             self._maybe_cancel_wan(f.now)
 
     def _on_rld_ended(self, now: float, reason: EndReason, error: str,

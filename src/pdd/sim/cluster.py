@@ -362,6 +362,9 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         if p.role is not Role.PREFILL or req.lc is None or req.streamed:
             return []
         req.streamed = True
+        if self.kv_layer_slices > 1 and p.prefill_tokens_s:
+            # Layer by layer, its KV crosses no faster than P makes it.
+            req.kv_made_by_s = now + job.num_tokens / p.prefill_tokens_s
         return [e for t in req.targets if not t.warm_blocks for e in self._send(req, t, now)]
 
 

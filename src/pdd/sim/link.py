@@ -18,6 +18,11 @@ them (`pdd.transport.priority`), and among themselves they go one at a
 time, fewest bytes left first; the time they wait is kept per flow
 (`yielded_s`), for the estimator, as the real sender reports it.
 
+A flow may have a cap of its own (`cap_bytes_s`): a transfer P streams
+while it computes cannot cross faster than P makes its KV, and what it
+leaves of the line goes to the others (max-min fair shares). The caller
+lifts the cap when P is done.
+
 A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow;
 the caller delays `add` by `rtt_s`, which keeps this class about bandwidth
 only.
@@ -37,6 +42,7 @@ class Flow:
     started_s: float
     background: bool = False
     yielded_s: float = 0.0
+    cap_bytes_s: float = math.inf
 
 
 class Link:
@@ -67,23 +73,44 @@ class Link:
         return [min(self.flows.values(), key=lambda f: (f.remaining, f.started_s))]
 
     def rate_per_flow(self) -> float:
+        """An uncapped flow's share of the line now."""
         n = len(self._sharing())
         if not n:
             return 0.0
         total = self.bandwidth_bytes_s * (self.shared_efficiency if n > 1 else 1.0)
         return min(total / n, self.max_flow_bytes_s)
 
+    def _rates(self) -> dict[str, float]:
+        """Each sharing flow's rate: equal shares, a capped flow held to its
+        cap and what it leaves split among the others (water-filling)."""
+        sharing = self._sharing()
+        if not sharing:
+            return {}
+        left = self.bandwidth_bytes_s * (self.shared_efficiency if len(sharing) > 1 else 1.0)
+        rates: dict[str, float] = {}
+        todo = sorted(sharing, key=lambda f: f.cap_bytes_s)
+        while todo:
+            share = min(left / len(todo), self.max_flow_bytes_s)
+            f = todo[0]
+            if f.cap_bytes_s < share:
+                rates[f.flow_id] = f.cap_bytes_s
+                left -= f.cap_bytes_s
+                todo.pop(0)
+                continue
+            for g in todo:
+                rates[g.flow_id] = share
+            break
+        return rates
+
     def _advance(self, now: float) -> None:
         if now < self._last_s - 1e-12:
             raise ValueError(f"{self.name}: time went backwards")
         dt = now - self._last_s
         if dt > 0 and self.flows:
-            sharing = self._sharing()
-            drained = dt * self.rate_per_flow()
-            ids = {f.flow_id for f in sharing}
+            rates = self._rates()
             for f in self.flows.values():
-                if f.flow_id in ids:
-                    f.remaining = max(f.remaining - drained, 0.0)
+                if f.flow_id in rates:
+                    f.remaining = max(f.remaining - dt * rates[f.flow_id], 0.0)
                 else:
                     f.yielded_s += dt
         self._last_s = max(now, self._last_s)
@@ -92,16 +119,29 @@ class Link:
         self.version += 1
         if not self.flows:
             return None
-        least = min(f.remaining for f in self._sharing())
-        return self._last_s + least / self.rate_per_flow(), self.version
+        rates = self._rates()
+        least = min(self.flows[i].remaining / r for i, r in rates.items() if r > 0)
+        return self._last_s + least, self.version
 
     def add(self, now: float, flow_id: str, num_bytes: float,
-            background: bool = False) -> tuple[float, int] | None:
+            background: bool = False, cap_bytes_s: float | None = None) -> tuple[float, int] | None:
         """Start pushing bytes; returns (time of next completion, version)."""
         if flow_id in self.flows:
             raise ValueError(f"{self.name}: flow {flow_id} already active")
+        if cap_bytes_s is not None and not cap_bytes_s > 0:
+            raise ValueError(f"{self.name}: a flow's cap must be > 0")
         self._advance(now)
-        self.flows[flow_id] = Flow(flow_id, float(num_bytes), float(num_bytes), now, background)
+        self.flows[flow_id] = Flow(flow_id, float(num_bytes), float(num_bytes), now, background,
+                                   cap_bytes_s=cap_bytes_s or math.inf)
+        return self._next()
+
+    def uncap(self, now: float, flow_id: str) -> tuple[float, int] | None:
+        """The flow may go as fast as its share (P has made all its KV)."""
+        f = self.flows.get(flow_id)
+        if f is None or f.cap_bytes_s == math.inf:
+            return None
+        self._advance(now)
+        f.cap_bytes_s = math.inf
         return self._next()
 
     def queued_bytes(self, now: float) -> tuple[float, float]:
@@ -147,7 +187,8 @@ class Link:
         if f is None:
             return 0.0
         if not f.background:
-            return f.remaining / self.rate_per_flow()
+            rate = self._rates().get(flow_id) or self.rate_per_flow()
+            return f.remaining / rate
         # Behind the foreground flows and the shorter background ones.
         ahead = sum(g.remaining for g in self.flows.values()
                     if not g.background or (g.remaining, g.started_s) < (f.remaining, f.started_s))

@@ -56,7 +56,8 @@ class SimRequest:
                  "rld_tokens", "last_rld_token_s", "first_md_token_s", "wan_bytes",
                  "uncached_kv_bytes", "pipeline", "handoff_mode", "done_s", "failed",
                  "error", "p_id", "lc", "targets", "legs", "seqs", "md_context",
-                 "p_blocks", "p_shared", "warm_blocks", "last_delay_s", "log", "prefill_done_s", "streamed")
+                 "p_blocks", "p_shared", "warm_blocks", "last_delay_s", "log", "prefill_done_s", "streamed",
+                 "kv_made_by_s")
 
     def __init__(self, spec: RequestSpec, stride: int = 1) -> None:
         self.spec = spec
@@ -88,6 +89,7 @@ class SimRequest:
         self.log = DecisionLog()       # the lifecycle's commands, a word per decision
         self.prefill_done_s: float | None = None   # when P finished the prompt
         self.streamed = False             # its KV left P while the prefill ran (streamed transfers)
+        self.kv_made_by_s: float | None = None   # streamed layer by layer: when P should have made it all
 
     @property
     def finished(self) -> bool:

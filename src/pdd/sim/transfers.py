@@ -47,7 +47,12 @@ class TransfersMixin:
             nb = self._lacking_bytes(req, dst, blocks)     # the receiver's HAVE, as of now
             entry = self.flows[flow_id]
             self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
-            nxt = link.add(t, flow_id, nb, background)
+            cap = None
+            if req.prefill_done_s is None and req.kv_made_by_s is not None and nb > 0:
+                # Streamed layer by layer while P computes: paced by P, the
+                # rest of the line left to the other transfers.
+                cap = nb / max(req.kv_made_by_s - t, 1e-3)
+            nxt = link.add(t, flow_id, nb, background, cap_bytes_s=cap)
             return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
 
         def have(t: float) -> list[Event]:     # BEGIN reached the receiver
@@ -140,6 +145,11 @@ class TransfersMixin:
         last chunk's last slice has crossed (its blocks, or, streamed layer by
         layer, their last layer)."""
         evs: list[Event] = []
+        for fid, entry in self.flows.items():
+            if entry[0] is req and fid in self.links[entry[5]].flows:
+                nxt = self.links[entry[5]].uncap(now, fid)     # P has made all its KV
+                if nxt:
+                    evs.append(Event(nxt[0], EventKind.TRANSFER_DONE, entry[5], nxt[1]))
         for flow, name in self.after_prefill.pop(req.spec.request_id, []):
             if flow.flow_id not in self.flows:
                 continue        # cancelled or cut meanwhile
