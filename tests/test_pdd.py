@@ -205,5 +205,7 @@ def test_forced_handoff_modes_concurrent(mode, tmp_path_factory, smollm2_dir, re
         assert tr["token_sources"][-1] == "md", timeline(tr)
         if mode == "one_shot":
             assert tr["handoff_batches"] == 1
-        elif tr["rld_tokens"] > 2:
+        elif tr["rld_tokens"] > 2 + 1:
+            # more than catchup_final_max_tokens when MD got ready (the final
+            # batch also carries the RLD token it waited for): a catch-up batch first
             assert tr["handoff_batches"] >= 2
