@@ -118,7 +118,7 @@ def test_second_turn_goes_direct_and_sends_only_new_blocks(auto, reference, smol
     assert text == tok.decode(reference(second, 12))
     assert tr["pipeline"] == "direct", tr["pipeline_reason"]
     # The router counted MD's cache (its index of MD's blocks, no WAN round trip).
-    assert event(tr, "pipeline")["missing_bytes"] == (-(-344 // 16) - 320 // 16) * 16 * KV_BYTES_PER_TOKEN
+    assert event(tr, "pipeline")["missing_bytes"] == (344 // 16 - 320 // 16) * 16 * KV_BYTES_PER_TOKEN
     new_blocks = (344 // 16) - (320 // 16)
     assert tr["wan_bytes"] == new_blocks * 16 * KV_BYTES_PER_TOKEN       # DRC: only what MD lacks
     assert tr["cached_tokens"] == 320 and set(tr["token_sources"]) == {"md"}

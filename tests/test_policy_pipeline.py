@@ -44,10 +44,11 @@ def test_low_hit_goes_relay():
     assert d.est_wan_s > CFG.direct_max_wan_s
 
 
-def test_missing_bytes_round_to_whole_blocks():
+def test_missing_bytes_count_the_full_blocks_that_travel():
     d = choose_pipeline(req(prompt=100), cluster(md_matched=40), CFG)
-    # 7 prompt blocks, 2 whole blocks held -> 5 blocks travel
-    assert d.missing_bytes == 5 * 16 * KVB
+    # 6 full prompt blocks (the partial 7th is computed by the receiver),
+    # 2 whole blocks held -> 4 blocks travel
+    assert d.missing_bytes == 4 * 16 * KVB
 
 
 def test_slow_wan_turns_high_hit_into_relay():

@@ -412,10 +412,10 @@ def test_filtered_requests_with_a_hot_shared_prefix_warm_md():
     assert [by_id[f"a{k}"].pipeline for k in range(4)] == ["relay_filtered"] * 4
     kv_block = 16 * 46080
     assert [by_id[f"a{k}"].wan_bytes for k in range(4)] == [0, 0, 0, 16 * kv_block]
-    # MD held the shared prefix: only the follow-up's own 3 blocks (40 tokens,
-    # the partial one whole) crossed the WAN, straight to MD.
+    # MD held the shared prefix: only the follow-up's own 2 full blocks (of
+    # 40 tokens; MD computes the partial one) crossed the WAN, straight to MD.
     n0 = by_id["n0"]
-    assert n0.pipeline == "direct" and n0.wan_bytes == 3 * kv_block
+    assert n0.pipeline == "direct" and n0.wan_bytes == 2 * kv_block
 
 
 def _pdd_run_folder(tmp_path: Path):

@@ -79,6 +79,9 @@ class PipelineDecision:
     # How long after P's first token MD is expected to hold the KV (the
     # transfer less what streams behind the prefill, `wait_after_prefill`).
     wait_s: float = math.inf
+    # The deployment orders its line (PDD's senders: `copy_yields_line`); a PD
+    # baseline's decoder (DECODE, not MAIN) takes its KV as plain TCP flows.
+    gated: bool = True
 
     def __post_init__(self) -> None:
         if self.wait_s == math.inf and math.isfinite(self.est_wan_s):
@@ -168,7 +171,7 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
 
     def direct(why: str) -> PipelineDecision:
         return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why, filterable,
-                                wait_s=wait)
+                                wait_s=wait, gated=bool(cluster.with_role(Role.MAIN)))
 
     m = req.max_tokens
     # RLD-only is bounded by its own budget of requests only: by the class's
@@ -243,11 +246,13 @@ def copy_yields_line(d: PipelineDecision, warm: bool = False, cfg: PolicyConfig 
     turns of other conversations need on MD). What does not yield is a direct
     request's copy that lands within a fraction of a second (a warm turn's
     few new blocks), or a resend after a lost RLD. Yielding copies share what
-    is left of the line one at a time, fewest bytes left first."""
+    is left of the line one at a time, fewest bytes left first. A PD
+    baseline (no MainDecode: `d.gated` false) has no such gate: its copies
+    share the line as TCP flows do, in the simulator as on the servers."""
     cfg = cfg or PolicyConfig()
     if warm or d.pipeline is Pipeline.RELAY:
         return True
-    return d.pipeline is Pipeline.DIRECT and d.wait_s > cfg.direct_max_wan_s
+    return d.gated and d.pipeline is Pipeline.DIRECT and d.wait_s > cfg.direct_max_wan_s
 
 
 def plan_warm(d: PipelineDecision, matched: Mapping[str, int], prefix_key: Callable[[int], Hashable],

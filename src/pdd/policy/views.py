@@ -126,11 +126,11 @@ class RequestFacts:
     def missing_kv_bytes(self, num_matched_tokens: int) -> int:
         """KV bytes a holder of `num_matched_tokens` cached prefix tokens lacks.
 
-        Counted in whole blocks, as they travel: only full cached blocks are
-        reusable, and the partial last block of the prompt travels whole.
+        Counted in whole blocks, as they travel: only full blocks are cached
+        and sent; the receiver computes the prompt's partial last block itself.
         """
         matched_blocks = min(max(num_matched_tokens, 0), self.num_prompt_tokens) // self.block_size
-        missing_blocks = self.num_prompt_blocks - matched_blocks
+        missing_blocks = max(self.num_prompt_tokens // self.block_size - matched_blocks, 0)
         return missing_blocks * self.block_size * self.kv_bytes_per_token
 
 

@@ -163,7 +163,8 @@ class PrefillJob:
         layers above (the whole chunk, not just earlier chunks, hides behind
         the prefill). A block's layers go in order; the blocks of a chunk
         interleave, so all of them advance together. Yields (block, byte
-        offset, block bytes, slice) for the sender's PART frames."""
+        offset, block bytes, slice) for the sender's PART frames, and None
+        while nothing new is computed."""
         engine = self.server.engine
         runner, bs = engine.runner, engine.cfg.block_size
         num_layers = runner.num_layers
@@ -200,6 +201,8 @@ class PrefillJob:
                 if upto == num_layers:
                     del sent[i]
             if sent:
+                if not out:
+                    yield None          # waiting for P: the line is free for others meanwhile
                 await asyncio.sleep(STREAM_POLL_S)
 
         async def finish() -> dict:

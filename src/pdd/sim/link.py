@@ -81,14 +81,19 @@ class Link:
         return min(total / n, self.max_flow_bytes_s)
 
     def _rates(self) -> dict[str, float]:
-        """Each sharing flow's rate: equal shares, a capped flow held to its
-        cap and what it leaves split among the others (water-filling)."""
-        sharing = self._sharing()
-        if not sharing:
+        """Each flow's rate: the foreground flows share the line evenly, a
+        capped one held to its cap and what it leaves split among the others
+        (water-filling); what they leave goes to the background flows, fewest
+        bytes left first, each up to its cap (a copy waiting for P does not
+        hold the line, foreground or background)."""
+        fg = [f for f in self.flows.values() if not f.background]
+        bg = sorted((f for f in self.flows.values() if f.background), key=lambda f: (f.remaining, f.started_s))
+        if not fg and not bg:
             return {}
-        left = self.bandwidth_bytes_s * (self.shared_efficiency if len(sharing) > 1 else 1.0)
+        n = len(fg) + (1 if bg else 0)
+        left = self.bandwidth_bytes_s * (self.shared_efficiency if n > 1 else 1.0)
         rates: dict[str, float] = {}
-        todo = sorted(sharing, key=lambda f: f.cap_bytes_s)
+        todo = sorted(fg, key=lambda f: f.cap_bytes_s)
         while todo:
             share = min(left / len(todo), self.max_flow_bytes_s)
             f = todo[0]
@@ -99,7 +104,13 @@ class Link:
                 continue
             for g in todo:
                 rates[g.flow_id] = share
+            left = 0.0
             break
+        for f in bg:
+            if left <= 1e-9:
+                break
+            rates[f.flow_id] = min(f.cap_bytes_s, left, self.max_flow_bytes_s)
+            left -= rates[f.flow_id]
         return rates
 
     def _advance(self, now: float) -> None:
@@ -109,7 +120,7 @@ class Link:
         if dt > 0 and self.flows:
             rates = self._rates()
             for f in self.flows.values():
-                if f.flow_id in rates:
+                if rates.get(f.flow_id):
                     f.remaining = max(f.remaining - dt * rates[f.flow_id], 0.0)
                 else:
                     f.yielded_s += dt

@@ -46,7 +46,9 @@ from pdd.transport.tls import TlsPeer
 BlockSource = Union[Sequence[bytes], Callable[[int], Union[bytes, Awaitable[bytes]]]]
 # Streaming in slices: given the blocks the receiver holds, yields
 # (block index, byte offset, block bytes, slice) for every other block, each
-# block's slices in order from offset 0 (blocks may interleave).
+# block's slices in order from offset 0 (blocks may interleave); None while
+# nothing is ready (P still computing), so a foreground transfer lets the
+# background ones use the line meanwhile.
 PartSource = Callable[[set[int]], AsyncIterator[tuple[int, int, int, bytes]]]
 # (host, port) -> how to reach it over TLS, or None: plain TCP there
 TlsResolver = Callable[[str, int], Union[TlsPeer, None]]
@@ -266,22 +268,32 @@ class KVSender:
                 if held:
                     self.gate.release(line, key)
 
-    async def _send_blocks(self, stream: FrameStream, answer: asyncio.Future, hashes: list[bytes], held: set[int],
-                           get_block: Callable, parts: PartSource | None, status: TransferStatus,
+    async def _send_blocks(self, handle: TransferHandle, stream: FrameStream, answer: asyncio.Future,
+                           hashes: list[bytes], held: set[int], get_block: Callable, parts: PartSource | None,
                            line: str | None, background: bool, dest: tuple[str, int]) -> None:
         """Every block the receiver lacks: whole (BLOCK), or as the source's
-        slices (PART, the seal's digest with the last one)."""
+        slices (PART, the seal's digest with the last one). A foreground
+        transfer holds the line while it has bytes to write, not while its
+        source waits for P."""
+        status = handle.status
         source = parts(set(held)) if parts is not None else _whole_blocks(get_block, len(hashes), held)
         digests: dict[int, "hashlib._Hash"] = {}
         try:
             while not answer.done():
                 t0 = time.monotonic()
                 try:
-                    i, offset, total, data = await source.__anext__()
+                    item = await source.__anext__()
                 except StopAsyncIteration:
                     break
                 finally:
                     status.waited_s += time.monotonic() - t0
+                if item is None:
+                    self._let_go(handle)
+                    continue
+                if line is not None and not background and handle.holds_line is None:
+                    handle.holds_line = line
+                    self.gate.enter(line)
+                i, offset, total, data = item
                 last = offset + len(data) >= total
                 if offset == 0 and last:
                     wire = seal_block(data) if self.seal_blocks else data
@@ -350,7 +362,7 @@ class KVSender:
                 # the reset our next write would meet.
                 answer = asyncio.ensure_future(stream.read_frame(None))
                 try:
-                    await self._send_blocks(stream, answer, hashes, have.indices, get_block, parts, status,
+                    await self._send_blocks(handle, stream, answer, hashes, have.indices, get_block, parts,
                                             line, background, (host, port))
                     self._let_go(handle)
                     extra = None
