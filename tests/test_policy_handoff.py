@@ -159,3 +159,11 @@ def test_an_armed_final_batch_goes_with_rlds_next_token_and_can_still_fail_back(
     assert first == SendBatch(0, 100, False)
     assert s.on_batch_extended(1.4, 100, 105) is None and s.state is HandoffState.ARMED
     assert s.on_failed(1.5, "md down") == Abandon(105, "md down")
+
+
+def test_with_only_ps_token_out_the_final_batch_goes_at_once():
+    # RLD has not decoded yet (its first step may be far off): waiting for its
+    # token would only add that step to the switch.
+    s = HandoffSession("r", HandoffMode.ONE_SHOT, PolicyConfig())
+    assert s.on_md_ready(1.0, 1, rld_decoding=False) == SendBatch(0, 1, True)
+    assert s.rld_stop_at == 1

@@ -189,6 +189,12 @@ def build_record(req: WorkloadRequest, arrival_s: float, end_s: float, st: _Stre
     if cached is None:
         cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
     failed = st.error is not None
+    gap, k = facts["handoff_gap_s"], int(facts["rld_tokens"] or 0)
+    if gap is not None and 0 < k < len(times):
+        # RLD's tokens come first, then MD's: the stall at the switch as the
+        # client saw it, on either side of RLD's last token (a delay in the
+        # router shows before it, the extend after it).
+        gap = max(times[j] - times[j - 1] for j in range(max(k - 1, 1), k + 1))
     return RequestRecord(
         request_id=req.request_id,
         arrival_s=arrival_s,
@@ -203,7 +209,7 @@ def build_record(req: WorkloadRequest, arrival_s: float, end_s: float, st: _Stre
         wan_bytes=int(facts["wan_bytes"] or 0),
         uncached_kv_bytes=int(facts["uncached_kv_bytes"] or 0),
         rld_tokens=int(facts["rld_tokens"] or 0),
-        handoff_gap_s=facts["handoff_gap_s"],
+        handoff_gap_s=gap,
         pipeline=facts["pipeline"],
         handoff_mode=facts["handoff_mode"],
         pipeline_reason=facts.get("pipeline_reason"),

@@ -145,14 +145,17 @@ class HandoffSession:
         return self._batches[-1] if self.state in live else None
 
     # --- events -------------------------------------------------------------
-    def on_md_ready(self, now: float, num_generated: int) -> SendBatch:
-        """MD holds the prompt KV; RLD has generated `num_generated` tokens."""
+    def on_md_ready(self, now: float, num_generated: int, rld_decoding: bool = True) -> SendBatch | None:
+        """MD holds the prompt KV; RLD has generated `num_generated` tokens.
+        `rld_decoding`: RLD has made a token of its own, so its next one is
+        due within its inter-token gap; if not (only P's first token is out,
+        RLD's first step may still be far off), a final batch goes at once."""
         self._expect(HandoffState.AWAITING_MD, "on_md_ready")
         self._advance(num_generated)
         self.md_ready_s = now
         final = (self.mode is HandoffMode.ONE_SHOT
                  or num_generated <= self.cfg.catchup_final_max_tokens)
-        return self._send(0, num_generated, final)
+        return self._send(0, num_generated, final, arm=rld_decoding)
 
     def on_rld_token(self, now: float, num_generated: int) -> SendBatch | None:
         """RLD's token reached the router: an armed final batch goes now."""
@@ -212,8 +215,8 @@ class HandoffSession:
                                f"{self._last_generated} to {num_generated}")
         self._last_generated = num_generated
 
-    def _send(self, start: int, end: int, final: bool) -> SendBatch | None:
-        if final and self.cfg.handoff_on_rld_token and self.state is not HandoffState.ARMED:
+    def _send(self, start: int, end: int, final: bool, arm: bool = True) -> SendBatch | None:
+        if final and arm and self.cfg.handoff_on_rld_token and self.state is not HandoffState.ARMED:
             self._armed_start = start
             self.state = HandoffState.ARMED
             return None

@@ -365,7 +365,8 @@ class RequestLifecycle(RecoveryRules):
         rld = self.rld_view or InstanceView(self.rld_id or "rld", Role.RELAY, "", 0, 0, 1, 0, 0)
         self.session = new_session(self.req.request_id, len(self.tokens), rld, self.cfg)
         self._note("md_ready", eager_tokens=len(self.tokens), mode=self.session.mode.value)
-        self._do(now, self.session.on_md_ready(now, len(self.tokens)))
+        # tokens[0] is P's: RLD decodes from the second one on.
+        self._do(now, self.session.on_md_ready(now, len(self.tokens), rld_decoding=len(self.tokens) > 1))
 
     def _do(self, now: float, act: SendBatch | Complete) -> None:
         while isinstance(act, SendBatch):

@@ -87,7 +87,14 @@ class PddRun:
         try:
             await self.apply(self.lc.start(time.monotonic()))
             while self.lc.done is None:
-                await self.apply(self.lc.handle(await self.next_fact()))
+                # The user's tokens go out before the calls the same fact asks
+                # for: the token that triggers a final batch must not wait for
+                # MD's extend and RLD's pause to be answered across the WAN.
+                rest = self.emit_first(self.lc.handle(await self.next_fact()))
+                out, self.out = self.out, []
+                for tok in out:
+                    yield tok
+                await self.apply(rest, logged=True)
                 out, self.out = self.out, []
                 for tok in out:
                     yield tok
@@ -191,8 +198,22 @@ class PddRun:
             self.streams.close_all()
 
     # -- commands -> calls ---------------------------------------------------------
-    async def apply(self, cmds: list) -> None:
+    def emit_first(self, cmds: list) -> list:
+        """Log the commands, emit their tokens now; the rest, in order."""
+        rest = []
         for cmd in cmds:
+            self.log.add(cmd)
+            if isinstance(cmd, io.Emit):
+                self.emit(cmd.token, cmd.source.value)
+            elif isinstance(cmd, io.EmitRun):
+                for tok in cmd.tokens:
+                    self.emit(tok, cmd.source.value)
+            else:
+                rest.append(cmd)
+        return rest
+
+    async def apply(self, cmds: list, logged: bool = False) -> None:
+        for cmd in cmds if not logged else ():
             self.log.add(cmd)
         i = 0
         while i < len(cmds):
