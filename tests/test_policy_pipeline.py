@@ -283,3 +283,18 @@ def test_layer_by_layer_streaming_hides_even_a_one_chunk_prompt():
     # ... never less than the last layer's slice of the last chunk
     assert wait_after_prefill(0.15, 48, p) == pytest.approx(0.15 / 30)
     assert wait_after_prefill(6.0, 4096, p) == pytest.approx(max(6.0 - 4096 / 200, 6.0 * 512 / 4096 / 30))
+
+
+def test_a_foreground_transfer_shares_the_line_with_those_in_flight():
+    # A cold prompt's 100 MB copy streams in flight; a warm turn's 2 MB
+    # crosses beside it at about half the line, not behind all of it.
+    q = LinkEstimate(throughput_bytes_s=12.5e6, rtt_s=0.0, queued_bytes=100e6, queued_flows=1)
+    assert q.transfer_s(2e6) == pytest.approx(4e6 / 12.5e6)
+    # ... never slower than behind every queued byte (others end first)
+    small = LinkEstimate(throughput_bytes_s=12.5e6, rtt_s=0.0, queued_bytes=0.5e6, queued_flows=3)
+    assert small.transfer_s(2e6) == pytest.approx(2.5e6 / 12.5e6)
+    # a background copy still waits behind them all
+    assert q.transfer_s(2e6, background=True) == pytest.approx(102e6 / 12.5e6)
+    # flows unknown: every queued byte ahead, as before
+    assert LinkEstimate(throughput_bytes_s=12.5e6, rtt_s=0.0, queued_bytes=100e6).transfer_s(2e6) \
+        == pytest.approx(102e6 / 12.5e6)

@@ -84,10 +84,13 @@ class LinkEstimate:
     # copies (which yield to foreground transfers, shortest first).
     queued_bytes: float = 0.0
     queued_background_bytes: float = 0.0
+    # Foreground transfers those queued bytes belong to (0: unknown, then the
+    # bytes count as all ahead): they share the line with a new one.
+    queued_flows: int = 0
 
     def __post_init__(self) -> None:
         if min(self.throughput_bytes_s, self.rtt_s, self.overhead_s, self.queued_bytes,
-               self.queued_background_bytes) < 0:
+               self.queued_background_bytes, self.queued_flows) < 0:
             raise ValueError("link estimate must be non-negative")
 
     @property
@@ -98,10 +101,16 @@ class LinkEstimate:
         """One handshake round trip, the fixed overhead, the bytes at the
         estimated rate behind what is queued ahead: the foreground bytes, and
         for a background copy the other copies too (an upper bound: shorter
-        ones go first)."""
+        ones go first). A foreground transfer shares the line with the
+        foreground ones in flight: while its bytes cross, each of `queued_flows`
+        others sends about as much (less if it ends first), not all it has
+        left (a cold prompt's copy streams for as long as P computes it)."""
         if not self.usable:
             return math.inf
-        ahead = self.queued_bytes + (self.queued_background_bytes if background else 0.0)
+        fg = self.queued_bytes
+        if self.queued_flows > 0 and not background:
+            fg = min(fg, self.queued_flows * float(num_bytes))
+        ahead = fg + (self.queued_background_bytes if background else 0.0)
         return self.rtt_s + self.overhead_s + (ahead + num_bytes) / self.throughput_bytes_s
 
 

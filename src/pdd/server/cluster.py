@@ -164,6 +164,7 @@ class Cluster:
         # What P's senders still have to push over the WAN (as of the last poll).
         backlogs = [m.send_backlog for m in self.members.values() if m.send_backlog]
         est = replace(est, queued_bytes=float(sum(b.get("foreground", 0) for b in backlogs)),
-                      queued_background_bytes=float(sum(b.get("background", 0) for b in backlogs)))
+                      queued_background_bytes=float(sum(b.get("background", 0) for b in backlogs)),
+                      queued_flows=int(sum(b.get("foreground_transfers", 0) for b in backlogs)))
         return ClusterView(tuple(self._view(m) for m in members), matched, est, now,
                            local=self.local.estimate(now))
