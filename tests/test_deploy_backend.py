@@ -74,12 +74,20 @@ def test_instances_must_share_one_block_size():
         parse_spec(_pd(p_engine={"block_size": 32}, d_engine={"block_size": 64}))
 
 
-@pytest.mark.parametrize("name", ["colocated-cpu.toml", "pd-local-cpu.toml", "pdd-cpu.toml", "gpu-fleet.toml"])
+@pytest.mark.parametrize("name", ["colocated-cpu.toml", "pd-local-cpu.toml", "pd-wan-cpu.toml", "pd-wan-drc-cpu.toml",
+                                  "pdd-cpu.toml", "gpu-fleet.toml"])
 def test_the_vllm_examples_load_without_vllm(name):
     spec = load_spec(EXAMPLES / "vllm" / name)
     assert spec.backend == Backend.VLLM
     assert all(i.engine.block_size % 16 == 0 for i in spec.instances)
     assert "vllm" not in sys.modules
+
+
+def test_the_vllm_cross_dc_baselines_differ_only_in_drc():
+    naive, drc = (load_spec(EXAMPLES / "vllm" / n) for n in ("pd-wan-cpu.toml", "pd-wan-drc-cpu.toml"))
+    assert (naive.policy["enable_drc"], drc.policy["enable_drc"]) == (False, True)
+    assert [(i.name, i.role, i.datacenter) for i in naive.instances] == \
+        [(i.name, i.role, i.datacenter) for i in drc.instances]
 
 
 def test_the_embedded_examples_keep_our_engine():

@@ -166,3 +166,45 @@ def test_have_pins_keep_cached_blocks_until_their_request_ran(ref_engine):
     ref_engine.forget("pin1")
     assert ref_engine.llm.reset_prefix_cache() is True
     assert index.matched_tokens(p) == 0
+
+
+def test_a_fresh_thread_steps_with_the_engines_openmp_thread_count(ref_engine, greedy, monkeypatch):
+    """EngineLoop steps vLLM on a thread of its own. OpenMP keeps its thread
+    count per thread, and a thread made after OpenMP loaded starts at the
+    machine's core count; vLLM's CPU attention plans its work by that count
+    and checks it again in the kernel (it failed 'thread_num (2 vs. 1)'
+    when the plan was made before torch lowered the count). Every plan on a
+    fresh thread must be made at the engine's count."""
+    import ctypes
+    import threading
+
+    import vllm._custom_ops as ops
+
+    try:
+        omp_threads = ctypes.CDLL(None).omp_get_max_threads
+    except AttributeError:
+        pytest.skip("OpenMP's omp_get_max_threads is not reachable in this process")
+    real = ops.cpu_attn_get_scheduler_metadata
+    planned: list[int] = []
+
+    def spy(*a, **kw):
+        planned.append(omp_threads())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ops, "cpu_attn_get_scheduler_metadata", spy)
+    prompt, out, start = ids(21, 600), {}, {}
+
+    def run():
+        start["omp"] = omp_threads()
+        ref_engine.submit(EngineRequest("th1", prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+        out.update(drain(ref_engine, {"th1"}))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(timeout=120)
+    ref_engine.forget("th1")
+    if start["omp"] == ref_engine.cfg.num_threads:
+        pytest.skip("a fresh thread already starts at the engine's count here (one core, or OMP_NUM_THREADS "
+                    "set before OpenMP loaded): nothing to show")
+    assert planned and set(planned) == {ref_engine.cfg.num_threads}
+    assert [e.token_id for e in out["th1"]] == greedy(prompt, 4)

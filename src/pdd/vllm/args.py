@@ -68,7 +68,11 @@ def prepare_process(num_threads: int) -> None:
     """Before vLLM (and torch's thread pool) is built: one in-process engine,
     `num_threads` OpenMP threads. vLLM's CPU worker replaces
     torch.set_num_threads once it has bound its threads, so set both first;
-    VLLM_CPU_OMP_THREADS_BIND does nothing for an in-process engine."""
+    VLLM_CPU_OMP_THREADS_BIND does nothing for an in-process engine.
+
+    OMP_NUM_THREADS here reaches only threads made after OpenMP loads, and
+    torch (hence OpenMP) is usually loaded by now: another thread that steps
+    the engine still needs `set_thread_count` (VllmEngine.step does it)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -78,3 +82,20 @@ def prepare_process(num_threads: int) -> None:
     import torch
 
     torch.set_num_threads(num_threads)
+
+
+def set_thread_count(num_threads: int) -> None:
+    """The OpenMP thread count of the calling thread (and torch's).
+
+    OpenMP keeps the count per thread: a thread made after OpenMP loaded
+    without OMP_NUM_THREADS starts at the machine's core count, and torch
+    lowers it to its own setting only at the thread's first parallel op.
+    vLLM's CPU attention sizes its work plan (the scheduler metadata) by
+    that count and then checks it again in the kernel; a step whose plan was
+    made before torch's first parallel op on the thread fails the check
+    ("thread_num (2 vs. 1)"). So the thread that steps the engine sets it
+    first. torch.set_num_threads itself is replaced by vLLM's CPU worker (a
+    warning that does nothing), hence torch._C.set_num_threads, the builtin it was."""
+    import torch
+
+    torch._C.set_num_threads(num_threads)

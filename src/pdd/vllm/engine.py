@@ -34,7 +34,7 @@ from pdd.engine.hashing import hash_blocks
 from pdd.engine.kv_codec import KVLayout, KVManifest
 from pdd.engine.request import EngineRequest, RequestStatus
 from pdd.model.config import ModelConfig
-from pdd.vllm.args import CPU_BLOCK_MULTIPLE, engine_kwargs, prepare_process, vllm_sampling
+from pdd.vllm.args import CPU_BLOCK_MULTIPLE, engine_kwargs, prepare_process, set_thread_count, vllm_sampling
 from pdd.vllm.prefix import VllmPrefixIndex
 from pdd.vllm.records import FINISH_STATUS, BlockReader, VllmRequestRecord, engine_stats, recent_decode_step_s
 from pdd.vllm.side import FILLER_TOKEN, BlockPins, SideKind, SideRequests
@@ -52,6 +52,7 @@ class VllmEngine:
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
         self.runner = BlockReader()
+        self._thread = threading.local()        # .omp_set: this thread's OpenMP count is ours (set_thread_count)
         self._pending: list[StepEvent] = []     # events made between steps
         self.side = SideRequests(llm)            # ours, output unread: catch-up batches, absorbed copies
         self.pins = BlockPins(lambda: self.scheduler, VllmPrefixIndex(llm.engine_core.engine_core, cfg.block_size))
@@ -254,6 +255,12 @@ class VllmEngine:
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
+        if not getattr(self._thread, "omp_set", False):
+            # The first step on this thread (EngineLoop's, not the builder's):
+            # vLLM's CPU attention needs the thread's OpenMP count to be ours
+            # before its first pass here (see set_thread_count).
+            set_thread_count(self.cfg.num_threads)
+            self._thread.omp_set = True
         start, t0 = time.time(), time.perf_counter()
         events, self._pending = self._pending, []
         outputs = self.llm.step() if self.llm.has_unfinished_requests() or self._frees_pending() else []
