@@ -225,8 +225,9 @@ async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
                 if kind == "prefilled":
                     note_prefill(ctx, ev)
                     cluster.landed(p.spec.name, ctx.prompt_ids)   # P's cache holds the prompt now
-                    prefilling = False
-                    cluster.dispatched(p.spec.name, -1)
+                    if prefilling:
+                        prefilling = False
+                        cluster.dispatched(p.spec.name, -1)
                     if single or ev.get("stop"):
                         ctx.finish_reason = "stop" if ev.get("stop") else "length"
                         yield ctx.emit(ev["token"], "p")
