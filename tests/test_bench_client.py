@@ -6,7 +6,7 @@ import pytest
 
 from pdd.bench.client import ClientConfig, _Stream, run_workload_sync
 from pdd.bench.fake_server import FakeBehaviour, FakeOpenAIServer
-from pdd.bench.workload import WorkloadRequest
+from pdd.measure.workload import WorkloadRequest
 
 
 @pytest.fixture

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from pdd.bench import report, runner
+from pdd.bench import runner
 from pdd.bench.fake_server import FakeBehaviour, FakeDeployment
-from pdd.bench.metrics import Sla
-from pdd.bench.workload import Workload, WorkloadRequest
+from pdd.measure import report
+from pdd.measure.files import read_records
+from pdd.measure.metrics import Sla
+from pdd.measure.workload import Workload, WorkloadRequest
 
 
 def test_plan_modes_and_ablations():
@@ -73,7 +75,7 @@ def test_run_bench_writes_everything(tmp_path: Path, capsys):
     assert pdd["prefix_hit_rate"] == pytest.approx(on_disk["workload"]["theoretical_hit_rate"])
     lines = (tmp_path / "pdd" / "records.jsonl").read_text().splitlines()
     assert [json.loads(x)["request_id"] for x in lines] == ["r0", "r1", "r2"]
-    assert runner.read_records(tmp_path / "pdd" / "records.jsonl")[1].cached_tokens == 64
+    assert read_records(tmp_path / "pdd" / "records.jsonl")[1].cached_tokens == 64
     for fig in summary["figures"]:
         assert (tmp_path / fig).stat().st_size > 1000
     assert {"ttft_cdf.png", "token_timelines.png", "wan_vs_hit.png"} <= set(summary["figures"])

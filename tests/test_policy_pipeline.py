@@ -298,3 +298,38 @@ def test_a_foreground_transfer_shares_the_line_with_those_in_flight():
     # flows unknown: every queued byte ahead, as before
     assert LinkEstimate(throughput_bytes_s=12.5e6, rtt_s=0.0, queued_bytes=100e6).transfer_s(2e6) \
         == pytest.approx(102e6 / 12.5e6)
+# -- the PD baselines: P and D by the same call (router `choose_pd`, simulator) --
+def pd_cluster(p_load=(0, 0), d_load=(0, 0), matched=None, wan=WAN):
+    """p0, p1 (PREFILL) and d0, d1 (DECODE); loads are running requests."""
+    insts = [inst(f"p{i}", Role.PREFILL, running=n) for i, n in enumerate(p_load)]
+    insts += [inst(f"d{i}", Role.DECODE, running=n) for i, n in enumerate(d_load)]
+    return ClusterView(tuple(insts), matched or {}, wan, 10.0)
+
+
+def test_pd_baseline_picks_p_by_cache_affinity_against_load():
+    # p1 holds 4K tokens of the prompt and runs 4 requests (1K tokens of
+    # penalty): the saved prefill wins over the idle p0.
+    d = choose_pipeline(req(prompt=8_000), pd_cluster(p_load=(0, 4), matched={"p1": 4_096}), CFG)
+    assert (d.pipeline, d.p_id, d.rld_id) == (Pipeline.DIRECT, "p1", None)
+    # ... but not a 512-token prefix against the same load.
+    d = choose_pipeline(req(prompt=8_000), pd_cluster(p_load=(0, 4), matched={"p1": 512}), CFG)
+    assert d.p_id == "p0"
+
+
+def test_pd_baseline_counts_d_cache_only_under_drc():
+    view = pd_cluster(d_load=(2, 0), matched={"d0": 4_096})
+    assert choose_pipeline(req(prompt=8_000), view, CFG).md_id == "d0"        # pd-local, pd-wan-drc
+    no_drc = PolicyConfig(enable_drc=False)
+    d = choose_pipeline(req(prompt=8_000), view, no_drc)                        # pd-wan: full KV always
+    assert d.md_id == "d1" and d.missing_bytes == 8_000 * KVB
+
+
+def test_pd_baseline_ties_go_to_the_smallest_id():
+    d = choose_pipeline(req(), pd_cluster(p_load=(1, 1), d_load=(3, 3)), CFG)
+    assert (d.p_id, d.md_id) == ("p0", "d0")
+
+
+def test_pd_baseline_goes_direct_however_slow_the_line():
+    slow = LinkEstimate(throughput_bytes_s=1e6, rtt_s=0.2)      # 8 Mbit/s
+    d = choose_pipeline(req(), pd_cluster(wan=slow), CFG)
+    assert d.pipeline is Pipeline.DIRECT and d.start_wan and d.reason == "no relay-decode instance"

@@ -20,8 +20,8 @@ import pytest
 
 import pdd.sim.cluster as cluster_mod
 import pdd.sim.lifecycle_driver as driver_mod
-from pdd.bench import agentic
-from pdd.bench.metrics import Sla
+from pdd.measure import agentic
+from pdd.measure.metrics import Sla
 from pdd.policy import RelayBudgets, note_decision
 from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.lifecycle_log import decision_log, entry

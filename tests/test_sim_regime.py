@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pdd.bench import agentic
-from pdd.bench.metrics import Sla
 from pdd.deploy.spec import link_overrides
+from pdd.measure import agentic
+from pdd.measure.metrics import Sla
 from pdd.sim.runtime import RuntimeMode, run_runtime_mode
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -11,16 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from pdd.bench.metrics import Sla, summarize_mode
-from pdd.bench.records import RequestRecord
-from pdd.bench.runner import load_workload, save_run_artefacts, save_workload
-from pdd.bench.workload import Workload, WorkloadRequest
+from pdd.bench.runner import save_run_artefacts
 from pdd.deploy.spec import load_spec, parse_spec
+from pdd.measure.files import load_workload, save_workload
+from pdd.measure.metrics import Sla, summarize_mode
+from pdd.measure.records import RequestRecord
+from pdd.measure.workload import Workload, WorkloadRequest
 from pdd.policy import Role
 from pdd.sim.bench_stream import BenchStream, chained_block_ids
 from pdd.sim.calibration import CpuCalibration, fit
-from pdd.sim.cost_model import CostModel, StepShape
 from pdd.sim.cluster import Cluster
+from pdd.sim.cost_model import CostModel, StepShape
 from pdd.sim.deployment import RuntimeOptions, mode_from_spec, model_shape
 from pdd.sim.hardware import get_profile
 from pdd.sim.model_shape import get_model

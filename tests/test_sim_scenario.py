@@ -7,7 +7,7 @@ import pytest
 
 import pdd.sim.cluster as cluster_mod
 import pdd.policy.lifecycle as lifecycle_mod
-from pdd.bench.records import RequestRecord
+from pdd.measure.records import RequestRecord
 from pdd.policy import HandoffSession
 from pdd.sim import cli
 from pdd.sim.runner import run_mode, simulate

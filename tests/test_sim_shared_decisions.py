@@ -26,8 +26,8 @@ import urllib.request
 import pytest
 
 from deploy_helpers import deployment_toml
-from pdd.bench.metrics import Sla
-from pdd.bench.workload import Workload, WorkloadRequest
+from pdd.measure.metrics import Sla
+from pdd.measure.workload import Workload, WorkloadRequest
 
 pytestmark = pytest.mark.slow
 

@@ -29,8 +29,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdd.bench.records import RequestRecord
-from pdd.bench.workload import WorkloadRequest
+from pdd.measure.metrics import run_duration
+from pdd.measure.records import RequestRecord
+from pdd.measure.workload import WorkloadRequest
 
 # Keys of GET /requests/{id}/trace and their defaults.
 TRACE_DEFAULTS: dict = {
@@ -304,16 +305,6 @@ async def run_workload(cfg: ClientConfig, requests: list[WorkloadRequest],
             on_done(records[rid])
     out = [records[r.request_id] for r in requests]
     return out, run_duration(out)
-
-
-def run_duration(records: list[RequestRecord]) -> float:
-    """Seconds from the first arrival to the last token or completion."""
-    if not records:
-        return 0.0
-    start = min(r.arrival_s for r in records)
-    end = max([r.arrival_s + (r.e2e_s or 0.0) for r in records]
-              + [t for r in records for t in r.token_times_s[-1:]])
-    return max(0.0, end - start)
 
 
 def run_workload_sync(cfg: ClientConfig, requests: list[WorkloadRequest],

@@ -18,7 +18,6 @@ ablation is the base deployment with a policy override, named `<base>+<ablation>
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import ssl
@@ -30,10 +29,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdd.bench.client import ClientConfig, run_workload_sync
-from pdd.bench.metrics import Sla, summarize_mode
-from pdd.bench.records import RequestRecord
-from pdd.bench.workload import Workload, WorkloadRequest, hit_rate_histogram
 from pdd.deploy.spec import link_overrides
+from pdd.measure.files import save_workload, write_json, write_records
+from pdd.measure.metrics import Sla, summarize_mode
+from pdd.measure.records import RequestRecord
+from pdd.measure.workload import Workload, WorkloadRequest, hit_rate_histogram
 
 ABLATIONS: dict[str, dict] = {
     "no-drc": {"policy": {"enable_drc": False}},
@@ -107,17 +107,6 @@ def _default_factory() -> Callable:
     return Deployment.start
 
 
-def write_records(path: Path, records: list[RequestRecord]) -> None:
-    with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps(r.to_dict()) + "\n")
-
-
-def read_records(path: Path) -> list[RequestRecord]:
-    with open(path) as f:
-        return [RequestRecord.from_dict(json.loads(line)) for line in f if line.strip()]
-
-
 def warmup_requests(workload: Workload, n: int) -> list[WorkloadRequest]:
     """`n` short requests of fresh random ids (within the workload's id range, so
     valid for its vocabulary) that share no prefix with the workload."""
@@ -179,7 +168,7 @@ def run_bench(modes: list[ModeSpec], workload: Workload, out: Path, sla: Sla,
               client: dict | None = None, factory: Callable | None = None,
               baseline: str | None = None, plots: bool = True, warmup: int = 1) -> dict:
     """Run every mode, write all outputs under `out`, return summary.json's content."""
-    from pdd.bench import report
+    from pdd.measure import report
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,65 +187,25 @@ def run_bench(modes: list[ModeSpec], workload: Workload, out: Path, sla: Sla,
             traceback.print_exc()
             summary["modes"][spec.name] = {"error": f"{type(e).__name__}: {e}",
                                            "config": spec.config_path, "overrides": spec.overrides}
-        _write_json(out / "summary.json", summary)   # after each mode: partial results survive
+        write_json(out / "summary.json", summary)   # after each mode: partial results survive
     summary["baseline"] = report.pick_baseline(summary, baseline)
     if plots:
         summary["figures"] = _plots(out, all_records, workload)
-    _write_json(out / "summary.json", summary)
+    write_json(out / "summary.json", summary)
     (out / "report.md").write_text(report.render_markdown(summary))
     return summary
 
 
 def _plots(out: Path, all_records: dict[str, list[RequestRecord]], workload: Workload) -> list[str]:
     try:
-        from pdd.bench import plots
+        from pdd.measure import plots
         return plots.write_all(out, all_records, workload)
     except Exception:  # noqa: BLE001 - figures are a bonus; numbers are already written
         traceback.print_exc()
         return []
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    def clean(x):
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(clean(obj), indent=2) + "\n")
-    tmp.replace(path)
-
-
 # -- artefacts for the simulator (pdd sim --calibrate / --validate) -------------
-def save_workload(workload: Workload, path: Path) -> None:
-    """The workload as run: settings plus every request, prompt ids included."""
-    reqs = [{"request_id": r.request_id, "arrival_s": r.arrival_s,
-             "num_prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens,
-             "session_id": r.session_id, "turn": r.turn, "depends_on": r.depends_on,
-             "think_time_s": r.think_time_s, "kind": r.kind.value,
-             "prompt_token_ids": list(r.prompt_token_ids)} for r in workload.requests]
-    doc = {"name": workload.name, "settings": workload.settings,
-           "block_size": workload.block_size, "requests": reqs}
-    _write_json(path, doc)
-
-
-def load_workload(path: Path) -> Workload:
-    """Inverse of `save_workload`."""
-    from pdd.bench.workload import RequestKind
-
-    doc = json.loads(Path(path).read_text())
-    reqs = [WorkloadRequest(d["request_id"], float(d["arrival_s"]), list(d["prompt_token_ids"]),
-                            int(d["max_tokens"]), d.get("session_id"), int(d.get("turn", 0)),
-                            d.get("depends_on"), float(d.get("think_time_s", 0.0)),
-                            RequestKind(d.get("kind", "turn"))) for d in doc["requests"]]
-    return Workload(doc.get("name", "workload"), reqs, doc.get("settings", {}),
-                    int(doc.get("block_size", 16)))
-
-
 def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
     """deploy.toml (+ overrides.json) and steps.jsonl of a real deployment.
 
@@ -271,7 +220,7 @@ def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
         if src.is_file():
             (mode_dir / "deploy.toml").write_text(src.read_text())
         if spec.overrides:
-            _write_json(mode_dir / "overrides.json", spec.overrides)
+            write_json(mode_dir / "overrides.json", spec.overrides)
         dspec = getattr(dep, "spec", None)
         secret = getattr(dep, "secret", None) if dspec is not None else None
         if dspec is None or not isinstance(secret, bytes):

@@ -2,11 +2,12 @@
 
 Load comes from polling every instance's /internal/stats; between polls the
 router counts what it dispatched itself, so a burst does not all land on the
-instance that looked idle a moment ago. Prefix matches of instances in this
-datacenter are asked per request; those across the WAN come from the
-router's index of their caches (`CacheIndex`), which the same poll keeps
-current, so routing costs no round trip over the WAN. The poll's round trip
-to them feeds the WAN's RTT estimate.
+instance that looked idle a moment ago. Prefix matches of PDD's instances in
+this datacenter are asked per request; those across the WAN, and those of
+every instance of a PD baseline, come from the router's index of their
+caches (`CacheIndex`), which the same poll keeps current, so routing costs
+no round trip over the WAN and a PD baseline's none at all. The poll's
+round trip to the instances across the WAN feeds the WAN's RTT estimate.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Member:
 LOCAL_LINE_BITS_S = 4e9
 INDEX_MAX_AGE_S = 2.0    # a cache index older than this (polls failing): ask the instance
 LOCAL_LATENCY_S = 1e-4
+# The PD baselines route by cache affinity from the index alone (no round trip).
+PD_MODES = ("pd-local", "pd-wan")
 
 
 class Cluster:
@@ -54,7 +57,7 @@ class Cluster:
                                 inst.engine.max_num_seqs, inst.engine.num_blocks, inst.engine.num_blocks,
                                 chunk_tokens=inst.engine.max_num_batched_tokens)
             m = Member(inst, address(spec, inst, spec.router_datacenter), view)
-            if m.http.link == "wan":
+            if m.http.link == "wan" or spec.mode in PD_MODES:
                 m.index = CacheIndex()
             self.members[inst.name] = m
         wan = spec.links[0] if spec.links else None
@@ -124,8 +127,9 @@ class Cluster:
             return None
         return m.index
 
-    async def matched_tokens(self, names: list[str], prompt_ids: list[int]) -> dict[str, int]:
-        now = time.monotonic()
+    def indexed_matches(self, names: list[str], prompt_ids: list[int], now: float) -> dict[str, int]:
+        """The cached prefix of the prompt on each of `names` whose index is
+        current, from the index alone; the others are left out."""
         hashes: dict[tuple[int, bytes], list[bytes]] = {}
         out: dict[str, int] = {}
         for name in names:
@@ -135,6 +139,11 @@ class Cluster:
                 if key not in hashes:
                     hashes[key] = index.block_hashes(prompt_ids)
                 out[name] = index.matched_tokens(hashes[key])
+        return out
+
+    async def matched_tokens(self, names: list[str], prompt_ids: list[int]) -> dict[str, int]:
+        """`indexed_matches`, and the instances without a current index asked."""
+        out = self.indexed_matches(names, prompt_ids, time.monotonic())
 
         async def one(name: str) -> tuple[str, int]:
             m = self.members[name]
@@ -150,11 +159,13 @@ class Cluster:
         asked = [n for n in names if n not in out]
         return out | dict(await asyncio.gather(*(one(n) for n in asked)))
 
-    def landed(self, name: str, prompt_ids: list[int], num_blocks: int) -> None:
-        """A transfer put the prompt's first `num_blocks` blocks on `name`."""
+    def landed(self, name: str, prompt_ids: list[int], num_blocks: int | None = None) -> None:
+        """A transfer put the prompt's first `num_blocks` blocks on `name`
+        (None: P computed the prompt, every full block is in its cache)."""
         m = self.members.get(name)
         if m is not None and m.index is not None and m.index.block_size:
-            m.index.landed(m.index.block_hashes(prompt_ids[: num_blocks * m.index.block_size]))
+            n = len(prompt_ids) if num_blocks is None else num_blocks * m.index.block_size
+            m.index.landed(m.index.block_hashes(prompt_ids[:n]))
 
     def view(self, matched: dict[str, int], now: float) -> ClusterView:
         members = [m for m in self.members.values() if m.healthy or m.spec.role == Role.PREFILL]

@@ -6,7 +6,8 @@ request; it records what happened on the RequestTrace and sets
 turns the tokens into OpenAI responses.
 
   colocated  router -> C (generate)
-  pd-*       router -> D (decode: waits for KV) and -> P (prefill, KV to D)
+  pd-*       router -> D (decode: waits for KV) and -> P (prefill, KV to D);
+             P and D by `choose_pd`: the simulator's rule, from the cache index
   pdd        router -> policy: DIRECT (P -> MD), RELAY (P -> RLD + MD, handoff),
              RELAY_ONLY (P -> RLD; the abnormal-traffic filter or WAN down)
 The PDD handoff itself lives in handoff_flow.py.
@@ -22,6 +23,7 @@ from typing import AsyncIterator
 
 from pdd.deploy.spec import Role
 from pdd.engine.request import SamplingParams
+from pdd.policy import NoRouteError, RequestFacts, choose_pipeline
 from pdd.server.cluster import Cluster, Member
 from pdd.server.trace import RequestTrace
 from pdd.server.wire import InternalClient, sampling_to_dict
@@ -185,6 +187,23 @@ def finish(ctx: RequestContext, ev: dict) -> None:
     ctx.finish_reason = ev["reason"]
 
 
+def choose_pd(ctx: RequestContext, cluster: Cluster, now: float) -> tuple[Member, Member]:
+    """P and D of a PD baseline: cache affinity against load, by the very
+    function the simulator routes these modes with (`choose_pipeline`: its
+    P, and its decoder, which counts D's cache only under DRC). The cached
+    prefixes come from the index the load poll keeps (no round trip); an
+    instance whose index is not current counts as holding none."""
+    names = [m.spec.name for m in cluster.role(Role.PREFILL, Role.DECODE)]
+    matched = cluster.indexed_matches(names, ctx.prompt_ids, now)
+    facts = RequestFacts(ctx.request_id, len(ctx.prompt_ids), ctx.sampling.max_tokens,
+                         ctx.kv_bytes_per_token, ctx.block_size)
+    try:
+        d = choose_pipeline(facts, cluster.view(matched, now), cluster.policy)
+    except NoRouteError as e:
+        raise FlowError(f"no route: {e}") from None
+    return cluster.members[d.p_id], cluster.members[d.md_id]
+
+
 async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
                   p: Member, d: Member, role_name: str = "d") -> AsyncIterator[int]:
     """Prefill on P, KV to D, D decodes from the first token on (in-DC or naive cross-DC PD)."""
@@ -196,6 +215,8 @@ async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
         cluster.dispatched(d.spec.name, +1)
     streams.open("p", p, "/internal/prefill", prefill_body(ctx, cluster, p, [] if single else [d]),
                  ctx.remaining_s())
+    prefilling = True            # P counts this request as its own until it has prefilled it
+    cluster.dispatched(p.spec.name, +1)
     try:
         while True:
             src, ev = await streams.next(ctx)
@@ -203,6 +224,10 @@ async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
             if src == "p":
                 if kind == "prefilled":
                     note_prefill(ctx, ev)
+                    cluster.landed(p.spec.name, ctx.prompt_ids)   # P's cache holds the prompt now
+                    if prefilling:
+                        prefilling = False
+                        cluster.dispatched(p.spec.name, -1)
                     if single or ev.get("stop"):
                         ctx.finish_reason = "stop" if ev.get("stop") else "length"
                         yield ctx.emit(ev["token"], "p")
@@ -226,6 +251,8 @@ async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
                     finish(ctx, ev)
                     return
     finally:
+        if prefilling:
+            cluster.dispatched(p.spec.name, -1)
         if not single:
             cluster.dispatched(d.spec.name, -1)
         streams.close_all()

@@ -27,7 +27,7 @@ from pdd.keys import DeploymentKeys
 from pdd.policy import PolicyConfig
 from pdd.server.api_keys import ApiKeys
 from pdd.server.cluster import Cluster
-from pdd.server.flows import FlowError, RequestContext, colocated_flow, new_request_id, pd_flow
+from pdd.server.flows import FlowError, RequestContext, choose_pd, colocated_flow, new_request_id, pd_flow
 from pdd.server.openai_api import ApiError, StopTrimmer, chunk, decode_body, full, parse_request, usage
 from pdd.server.pdd_flow import pdd_flow
 from pdd.server.router_metrics import RouterMetrics
@@ -129,8 +129,7 @@ class RouterServer:
             return colocated_flow(ctx, self.cluster, self.client)
         if self.mode == "pdd":
             return pdd_flow(ctx, self.cluster, self.client)
-        p = self._least_loaded(Role.PREFILL)
-        d = self._least_loaded(Role.DECODE)
+        p, d = choose_pd(ctx, self.cluster, time.monotonic())
         return pd_flow(ctx, self.cluster, self.client, p, d)
 
     async def _check_serviceable(self) -> None:
@@ -144,10 +143,6 @@ class RouterServer:
         if missing:
             raise ApiError(f"no live {' or '.join(missing)} instance: the deployment cannot serve now, retry later",
                            status=503, type_="server_error", code="service_unavailable")
-
-    def _least_loaded(self, role: Role):
-        ms = [m for m in self.cluster.role(role) if m.healthy] or self.cluster.role(role)
-        return min(ms, key=lambda m: (m.view.num_running + m.view.num_waiting + m.in_flight, m.spec.name))
 
     async def completions(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = decode_body(await request.read())   # ApiError -> 400 in _guard

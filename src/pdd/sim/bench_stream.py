@@ -1,14 +1,14 @@
 """`pdd bench` workloads (real token ids) as a simulator request stream.
 
 The simulator sees the very requests `pdd bench` sends: the same
-`pdd.bench.agentic.generate` / `pdd.bench.trace.load` output, or a saved
+`pdd.measure.agentic.generate` / `pdd.measure.trace.load` output, or a saved
 `workload.json`. Token ids become chained block ids (equal prefixes -> equal
 ids, as the engine's chained block hashes), so prefix caches hit exactly
 where the real ones do. Output blocks get ids of their own: the bench client
 puts a *synthetic* previous answer into the next prompt, so what a decoder
 caches of its own output never matches a later prompt, but it takes room.
 
-Arrivals follow the bench client (`pdd.bench.client.run_workload`): a
+Arrivals follow the bench client (its `run_workload`): a
 request without `depends_on` is due at `arrival_s`; a closed-loop turn is
 due `think_time_s` after the user saw its predecessor end (failed or not).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
-from pdd.bench.workload import Workload, WorkloadRequest
+from pdd.measure.workload import Workload, WorkloadRequest
 from pdd.sim.request import RequestSpec
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdd.bench import agentic
+from pdd.measure.flags import add_workload_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model preset for --calibrate")
     p.add_argument("--hardware", default="cpu", help="hardware profile for --calibrate")
     p.add_argument("--no-plots", action="store_true")
-    add_workload_arguments(p)
+    add_workload_and_wan_arguments(p)
 
     r = p.add_argument_group("runtime overheads (runtime files, --validate)")
     r.add_argument("--token-overhead-ms", type=float, default=None,
@@ -68,29 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--validate: jitter seeds to simulate; the median is the prediction")
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """`pdd bench`'s workload flags, same names and defaults (for pdd.bench.cli.build_workload)."""
-    w = p.add_argument_group("workload (runtime files; as `pdd bench`)")
-    w.add_argument("--quick", action="store_true",
-                   help="the quick bench workload (pdd sim report: shorter sweeps)")
-    w.add_argument("--preset", choices=tuple(agentic.PRESETS), default=None,
-                   help="agentic workload preset, as pdd bench's")
-    w.add_argument("--workload", default="agentic", help="agentic | trace:PATH")
-    w.add_argument("--num-requests", type=int, default=None)
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--sla-ttft", type=float, default=None, metavar="S")
-    w.add_argument("--sla-tpot", type=float, default=None, metavar="S")
-    w.add_argument("--vocab-size", type=int, default=49152)
-    w.add_argument("--block-size", type=int, default=16)
-    w.add_argument("--arrival-rate", type=float, default=None)
-    w.add_argument("--open-loop", action="store_true")
-    w.add_argument("--turn-interval", type=float, default=None, metavar="S")
-    w.add_argument("--time-scale", type=float, default=None)
-    w.add_argument("--length-scale", type=float, default=None)
-    w.add_argument("--max-input-tokens", type=int, default=None)
-    w.add_argument("--max-output-tokens", type=int, default=None)
-    w.add_argument("--start-index", type=int, default=0)
-    w.add_argument("--wan-mbps", type=float, default=None, metavar="MBPS",
+def add_workload_and_wan_arguments(p: argparse.ArgumentParser) -> None:
+    """`pdd bench`'s workload flags (`pdd.measure.flags`: same names and
+    defaults) and its --wan-mbps."""
+    add_workload_arguments(p, quick_help="the quick bench workload (pdd sim report: shorter sweeps)")
+    p.add_argument("--wan-mbps", type=float, default=None, metavar="MBPS",
                    help="runtime files: override every deployment's WAN line rate")
 
 
@@ -173,9 +155,8 @@ def _run_calibrate(args) -> int:
 
 
 def _run_runtime(args) -> int:
-    from pdd.bench import report
-    from pdd.bench.cli import DEFAULT_SLA_TPOT_S, DEFAULT_SLA_TTFT_S, build_workload
-    from pdd.bench.metrics import Sla
+    from pdd.measure import report
+    from pdd.measure.flags import build_workload, sla_from_args
     from pdd.sim.runtime import RuntimeMode, simulate_deployments
 
     names = [c.stem for c in args.config]
@@ -183,7 +164,7 @@ def _run_runtime(args) -> int:
         print(f"pdd sim: two deployment files share a file stem: {names}")
         return 2
     wl = build_workload(args)
-    sla = Sla(args.sla_ttft or DEFAULT_SLA_TTFT_S, args.sla_tpot or DEFAULT_SLA_TPOT_S)
+    sla = sla_from_args(args)
     from pdd.deploy.spec import link_overrides
 
     modes = [RuntimeMode(c.stem, str(c), link_overrides(args.wan_mbps)) for c in args.config]

@@ -36,9 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=5, help="candidates to print")
     p.add_argument("--calibration", type=Path, default=None, help="runtime files: CPU calibration")
     p.add_argument("--out", type=Path, default=None, help="write plan.json and winner.toml here")
-    from pdd.sim.cli import add_workload_arguments
+    from pdd.sim.cli import add_workload_and_wan_arguments
 
-    add_workload_arguments(p)
+    add_workload_and_wan_arguments(p)
 
 
 def parse_vary(items: list[str]) -> dict[str, list[int]]:
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 def _scenario(args):
     import dataclasses
 
-    from pdd.bench.metrics import Sla
+    from pdd.measure.metrics import Sla
     from pdd.sim.scenario import load
 
     sc = load(args.config)
@@ -121,9 +121,8 @@ def _plan_scenario(args, counts, hardware, wans):
 
 
 def _plan_runtime(args, counts, wans):
-    from pdd.bench.cli import DEFAULT_SLA_TPOT_S, DEFAULT_SLA_TTFT_S, build_workload
-    from pdd.bench.metrics import Sla
     from pdd.deploy.spec import load_spec, parse_spec
+    from pdd.measure.flags import build_workload, sla_from_args
     from pdd.sim.calibration import CpuCalibration
     from pdd.sim.plan import MAX_CANDIDATES, deployment_doc, row, runtime_candidates
     from pdd.sim.runtime import run_runtime_spec
@@ -131,7 +130,7 @@ def _plan_runtime(args, counts, wans):
 
     spec = load_spec(args.config[0])
     wl = build_workload(args)
-    sla = Sla(args.sla_ttft or DEFAULT_SLA_TTFT_S, args.sla_tpot or DEFAULT_SLA_TPOT_S)
+    sla = sla_from_args(args)
     cal = CpuCalibration.read(args.calibration) if args.calibration else None
     cands = list(runtime_candidates(spec, counts, wans))
     if len(cands) > MAX_CANDIDATES:
@@ -167,10 +166,8 @@ def _progress(r: dict) -> None:
 
 
 def _report(args, rows: list[dict], winner_text: str | None, kind: str) -> None:
-    import json
-
+    from pdd.measure.files import write_json
     from pdd.sim.plan import rank
-    from pdd.sim.runner import _finite
 
     ranked = rank(rows, args.min_sla)
     best = _best(rows, args.min_sla)
@@ -183,9 +180,8 @@ def _report(args, rows: list[dict], winner_text: str | None, kind: str) -> None:
     print(f"best (SLA >= {args.min_sla:.0%}): {best['name'] if best else 'none'}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "plan.json").write_text(json.dumps(_finite(
-            {"candidates": rows, "ranked": [r["name"] for r in ranked], "best": best,
-             "winner_kind": kind if best else None}), indent=2) + "\n")
+        write_json(args.out / "plan.json", {"candidates": rows, "ranked": [r["name"] for r in ranked],
+                                            "best": best, "winner_kind": kind if best else None})
         if winner_text is not None:
             (args.out / "winner.toml").write_text(winner_text)
             print(f"wrote {args.out / 'winner.toml'}: a {kind}")

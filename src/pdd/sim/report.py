@@ -22,11 +22,11 @@ Everything lands in OUT: PNGs, report.md and report.json (the numbers).
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
-from pdd.sim.runner import _finite, run_mode
+from pdd.measure.files import write_json
+from pdd.sim.runner import run_mode
 from pdd.sim.scenario import Scenario, load
 from pdd.sim.workload import FixedHitWorkload
 
@@ -185,7 +185,7 @@ def run_report(out: Path, quick: bool = False) -> int:
     files = figs.write_all(out, entries, records, bathtub, wan, rld)
     data["wall_s"] = time.perf_counter() - t0
     data["figures"] = files
-    (out / "report.json").write_text(json.dumps(_finite(data), indent=2) + "\n")
+    write_json(out / "report.json", data)
     (out / "report.md").write_text(figs.markdown(data))
     print(f"wrote {out}/report.md, report.json and {len(files)} figures in {data['wall_s']:.0f}s")
     return 0

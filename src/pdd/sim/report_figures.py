@@ -4,28 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdd.bench.metrics import cost_per_million_tokens, relative_change
-from pdd.bench.report import REPORT
+from pdd.measure.metrics import cost_per_million_tokens, relative_change
+from pdd.measure.plots import pyplot
+from pdd.measure.report import REPORT
 
 LABELS = {"pd-88a": "in-DC PD, 88 x A", "xdc-naive": "naive cross-DC PD (full KV over WAN)",
           "xdc-cache": "naive cross-DC PD (D prefix cache)", "pdd": "PDD, 43 A + 32 B"}
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    _plt().close(fig)
+    pyplot().close(fig)
 
 
 def ttft_cdf(path: Path, records: dict) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, recs in records.items():
         xs = sorted(r.ttft_s for r in recs if not r.failed and r.ttft_s is not None)
@@ -64,7 +58,7 @@ def cost_table(path: Path, entries: dict) -> None:
     rows = cost_table_rows(entries)
     if len(rows) < 2:
         return
-    plt = _plt()
+    plt = pyplot()
     base = rows[0]
     keys = [("cost_per_hour", "cost / hour"), ("goodput_rps", "SLA goodput"), ("bcr", "BCR"),
             ("ttft_p50", "TTFT p50"), ("cost_per_mtok", "cost / M tokens")]
@@ -82,7 +76,7 @@ def cost_table(path: Path, entries: dict) -> None:
 
 
 def bathtub(path: Path, data: dict) -> None:
-    plt = _plt()
+    plt = pyplot()
     hit = "prefix-hit rate of a later turn (nominal)"
     panels = [  # row key, scale, x label, y label, title
         ("bcr", 1e3, hit[:-1] + "; realised is lower: cold first turns, eviction)",
@@ -106,7 +100,7 @@ def bathtub(path: Path, data: dict) -> None:
 
 
 def wan_vs_hit(path: Path, data: dict) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for label, rows in data.items():
         xs = [r["hit"] for r in rows]
@@ -130,7 +124,7 @@ def wan_vs_hit(path: Path, data: dict) -> None:
 
 
 def rld_share(path: Path, entries: dict, rld: list[dict]) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     e = entries.get("pdd")
     if e is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdd.bench.records import RequestRecord
+from pdd.measure.records import RequestRecord
 from pdd.policy.lifecycle_log import DecisionLog
 
 

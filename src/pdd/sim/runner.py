@@ -7,13 +7,13 @@ measured and a simulated run read alike; optionally one JSON line per request.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import Counter
 from pathlib import Path
 
-from pdd.bench.metrics import summarize_mode
+from pdd.measure import files
+from pdd.measure.metrics import summarize_mode
 from pdd.sim.cluster import Cluster
 from pdd.sim.scenario import ModeSpec, Scenario
 from pdd.sim.workload import (
@@ -78,28 +78,16 @@ def simulate(scenario: Scenario, out_dir: Path | None = None, write_records: boo
     summary: dict = {"modes": {}}
     simulated = 0.0
     for mode in scenario.modes:
-        entry, records, sim_s = run_mode(scenario, mode)
+        entry, recs, sim_s = run_mode(scenario, mode)
         summary["modes"][mode.name] = entry
         simulated = max(simulated, sim_s)
         if out_dir is not None and write_records:
             out_dir.mkdir(parents=True, exist_ok=True)
-            with (out_dir / f"records-{mode.name}.jsonl").open("w") as f:
-                for r in records:
-                    f.write(json.dumps(r.to_dict()) + "\n")
+            files.write_records(out_dir / f"records-{mode.name}.jsonl", recs)
     summary["wall_s"] = time.perf_counter() - t0
     summary["simulated_s"] = simulated
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "summary.json").write_text(json.dumps(_finite(summary), indent=2) + "\n")
+        files.write_json(out_dir / "summary.json", summary)
     return summary
 
-
-def _finite(x):
-    """NaN / inf -> null: summary.json stays strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x

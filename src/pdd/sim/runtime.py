@@ -10,19 +10,18 @@ figures.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdd.bench.client import run_duration
-from pdd.bench.metrics import Sla, summarize_mode
-from pdd.bench.workload import Workload, hit_rate_histogram
 from pdd.deploy.spec import load_spec
+from pdd.measure.files import write_json, write_records
+from pdd.measure.metrics import Sla, run_duration, summarize_mode
+from pdd.measure.workload import Workload, hit_rate_histogram
 from pdd.sim.bench_stream import BenchStream
 from pdd.sim.cluster import Cluster
 from pdd.sim.deployment import RuntimeOptions, block_size, mode_from_spec, model_shape
-from pdd.sim.runner import _finite, _stats
+from pdd.sim.runner import _stats
 from pdd.sim.scenario import Scenario, SimSettings
 
 # No bench run lasts this long; a safety net for a stuck closed loop.
@@ -79,25 +78,23 @@ def simulate_deployments(modes: list[RuntimeMode], workload: Workload, sla: Sla,
         simulated = max(simulated, sim_s)
         if out is not None:
             (out / m.name).mkdir(parents=True, exist_ok=True)
-            with open(out / m.name / "records.jsonl", "w") as f:
-                for r in records:
-                    f.write(json.dumps(r.to_dict()) + "\n")
+            write_records(out / m.name / "records.jsonl", records)
     summary["wall_s"] = time.perf_counter() - t0
     summary["simulated_s"] = simulated
     if calibration is not None:
         summary["calibration"] = calibration.to_dict()
     if out is not None:
-        from pdd.bench import report
+        from pdd.measure import report
 
         out.mkdir(parents=True, exist_ok=True)
         summary["baseline"] = report.pick_baseline(summary)
         if plots:
             try:
-                from pdd.bench import plots as bench_plots
-                summary["figures"] = bench_plots.write_all(out, all_records, workload)
+                from pdd.measure import plots
+                summary["figures"] = plots.write_all(out, all_records, workload)
             except Exception:  # noqa: BLE001 - figures are a bonus
                 summary["figures"] = []
-        (out / "summary.json").write_text(json.dumps(_finite(summary), indent=2) + "\n")
+        write_json(out / "summary.json", summary)
         (out / "report.md").write_text(report.render_markdown(summary))
     return summary
 

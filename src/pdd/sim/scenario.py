@@ -17,7 +17,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from pdd.bench.metrics import Sla
+from pdd.measure.metrics import Sla
 from pdd.policy import PolicyConfig, Role
 from pdd.sim.hardware import get_profile
 from pdd.sim.model_shape import ModelShape, get_model

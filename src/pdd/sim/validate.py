@@ -40,14 +40,13 @@ import math
 import statistics
 from pathlib import Path
 
-from pdd.bench.metrics import Sla, distribution
-from pdd.bench.records import RequestRecord
-from pdd.bench.runner import load_workload, read_records
 from pdd.deploy.spec import load_spec
+from pdd.measure.files import load_workload, read_records, write_json
+from pdd.measure.metrics import Sla, distribution
+from pdd.measure.records import RequestRecord
 from pdd.policy.lifecycle_log import notes_only, trace_log
 from pdd.sim.calibration import CpuCalibration, fit
 from pdd.sim.deployment import RuntimeOptions, model_shape
-from pdd.sim.runner import _finite
 from pdd.sim.runtime import RuntimeMode, run_runtime_mode
 
 METRICS = {
@@ -121,7 +120,7 @@ def validate(run: Path, calibration: CpuCalibration | None = None,
         row["decisions"] = compare_decisions(real_records, records)
         row["lifecycle"] = compare_lifecycles(real_records, records)
         out["modes"][m.name] = row
-    (run / "validation.json").write_text(json.dumps(_finite(out), indent=2) + "\n")
+    write_json(run / "validation.json", out)
     return out
 
 

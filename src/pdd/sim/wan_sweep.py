@@ -64,9 +64,9 @@ def real_points(runs: list[Path]) -> dict:
 
 
 def plot(path: Path, sim: dict, real: dict) -> None:
-    from pdd.bench.plots import MARKERS, _plt
+    from pdd.measure.plots import MARKERS, pyplot
 
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     colors = {}
     for k, name in enumerate(sorted(set(sim) | set(real))):
@@ -95,8 +95,7 @@ def plot(path: Path, sim: dict, real: dict) -> None:
 
 
 def run_sweep(args) -> int:
-    from pdd.bench.cli import DEFAULT_SLA_TPOT_S, DEFAULT_SLA_TTFT_S, build_workload
-    from pdd.bench.metrics import Sla
+    from pdd.measure.flags import build_workload, sla_from_args
     from pdd.sim.cli import _calibration, _options
 
     rates = sorted(float(r) for r in args.rates.split(","))
@@ -104,7 +103,7 @@ def run_sweep(args) -> int:
         print("pdd sim sweep: --rates needs positive Mbit/s values")
         return 2
     wl = build_workload(args)
-    sla = Sla(args.sla_ttft or DEFAULT_SLA_TTFT_S, args.sla_tpot or DEFAULT_SLA_TPOT_S)
+    sla = sla_from_args(args)
     sim = simulate(args.config, rates, wl, sla, _calibration(args), _options(args))
     real = real_points(args.real or [])
     out = args.out or Path("results/wan-sweep")

@@ -10,7 +10,12 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from pdd.bench.records import RequestRecord
+from pdd.measure.records import RequestRecord
+
+
+# The SLA of `pdd bench` and `pdd sim` when none is given (--sla-ttft, --sla-tpot).
+DEFAULT_SLA_TTFT_S = 3.0
+DEFAULT_SLA_TPOT_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,16 @@ def handoff_gap_ratio(records: list[RequestRecord]) -> float | None:
         return None
     med = percentile(itls, 50)
     return max(gaps) / med if med > 0 else None
+
+
+def run_duration(records: list[RequestRecord]) -> float:
+    """Seconds from the first arrival to the last token or completion."""
+    if not records:
+        return 0.0
+    start = min(r.arrival_s for r in records)
+    end = max([r.arrival_s + (r.e2e_s or 0.0) for r in records]
+              + [t for r in records for t in r.token_times_s[-1:]])
+    return max(0.0, end - start)
 
 
 def summarize_mode(

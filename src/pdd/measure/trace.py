@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from pdd.bench.workload import RequestKind, Workload, WorkloadRequest, token_id_range
+from pdd.measure.workload import RequestKind, Workload, WorkloadRequest, token_id_range
 
 TRACE_BLOCK_TOKENS = 512
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from pdd.bench import trace
-from pdd.bench.workload import RequestKind, validate_token_ids
+from pdd.measure import trace
+from pdd.measure.workload import RequestKind, validate_token_ids
 
 ROWS = [
     {"timestamp": 0, "input_length": 1200, "output_length": 100, "hash_ids": [0, 1, 2]},

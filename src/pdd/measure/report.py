@@ -10,7 +10,7 @@ import math
 import sys
 from typing import TextIO
 
-from pdd.bench.metrics import cost_per_million_tokens, relative_change
+from pdd.measure.metrics import cost_per_million_tokens, relative_change
 
 # Figures of the PDD technical report (docs: /work/shared/MISSION.md).
 REPORT = {

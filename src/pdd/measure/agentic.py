@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 
-from pdd.bench.workload import (
+from pdd.measure.workload import (
     RequestKind,
     Workload,
     WorkloadRequest,

@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from pdd.bench import agentic
-from pdd.bench.workload import (
+from pdd.measure import agentic
+from pdd.measure.workload import (
     HIT_RATE_BINS,
     RequestKind,
     WorkloadRequest,

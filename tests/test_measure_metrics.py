@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from pdd.bench.metrics import (
+from pdd.measure.metrics import (
     Pricing,
     Sla,
     cost_per_million_tokens,
@@ -15,7 +15,7 @@ from pdd.bench.metrics import (
     relative_change,
     summarize_mode,
 )
-from pdd.bench.records import RequestRecord
+from pdd.measure.records import RequestRecord
 
 
 def rec(rid, arrival, times, prompt=100, cached=0, failed=False, **kw):

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdd.bench.records import RequestRecord
-from pdd.bench.workload import HIT_RATE_BINS, Workload, hit_rate_histogram
+from pdd.measure.records import RequestRecord
+from pdd.measure.workload import HIT_RATE_BINS, Workload, hit_rate_histogram
 
 RLD_COLOR, MD_COLOR = "tab:orange", "tab:blue"
 MARKERS = "os^Dv<>p"   # modes often overlap: tell them apart by shape too
 
 
-def _plt():
+def pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -19,7 +19,7 @@ def _plt():
 
 
 def ttft_cdf(path: Path, modes: dict[str, list[RequestRecord]]) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, recs in modes.items():
         xs = sorted(r.ttft_s for r in recs if not r.failed and r.ttft_s is not None)
@@ -45,7 +45,7 @@ def _pick_timelines(recs: list[RequestRecord], k: int = 4) -> list[RequestRecord
 
 def token_timelines(path: Path, modes: dict[str, list[RequestRecord]]) -> None:
     """Tokens over time since arrival; RLD-emitted tokens in orange, MD's in blue."""
-    plt = _plt()
+    plt = pyplot()
     shown = {n: r for n, r in modes.items() if any(x.rld_tokens for x in r)} or dict(
         list(modes.items())[:1])
     shown = dict(list(shown.items())[:4])
@@ -72,7 +72,7 @@ def token_timelines(path: Path, modes: dict[str, list[RequestRecord]]) -> None:
 
 
 def wan_vs_hit(path: Path, modes: dict[str, list[RequestRecord]]) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (name, recs) in enumerate(modes.items()):
         ok = [r for r in recs if not r.failed]
@@ -89,7 +89,7 @@ def wan_vs_hit(path: Path, modes: dict[str, list[RequestRecord]]) -> None:
 
 
 def hit_histogram(path: Path, modes: dict[str, list[RequestRecord]], workload: Workload) -> None:
-    plt = _plt()
+    plt = pyplot()
     labels = [b[0] for b in HIT_RATE_BINS]
     series = {"theoretical": hit_rate_histogram(workload.hit_rates())}
     for name, recs in modes.items():
