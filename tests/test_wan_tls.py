@@ -37,7 +37,7 @@ from pdd.model.reference import generate_greedy
 from pdd.model.tokenizer import Tokenizer
 from pdd.server.wire import InternalCallError, InternalClient
 from pdd.transport import tls
-from pdd.transport.frames import HEADER_BYTES, Block, FrameDecoder, FrameType, encode_frame
+from pdd.transport.frames import HEADER_BYTES, Block, FrameDecoder, FrameType, Part, encode_frame
 from pdd.transport.kv_receiver import KVReceiver
 from pdd.transport.kv_sender import KVSender
 from pdd.transport.state import TransferState
@@ -191,8 +191,8 @@ def test_tls_placement_follows_the_datacenters(tmp_path, tiny_model_dir):
 # -- deployments behind a test-only WAN tap -----------------------------------------------
 class Tap:
     """Forwards the relay's mappings byte for byte (A->B and B->A) and records them.
-    forge_kv: flip a byte inside the first KV BLOCK payload and re-encode the
-    frame (CRC valid). flip_kv_at: flip the A->B KV byte at this stream offset."""
+    forge_kv: flip a byte inside the first KV BLOCK (or PART slice) payload and
+    re-encode the frame (CRC valid). flip_kv_at: flip the A->B KV byte at this stream offset."""
 
     def __init__(self, mappings, kv_ports: set[int], forge_kv: bool = False, flip_kv_at: int | None = None):
         self.mappings, self.kv_ports = mappings, kv_ports
@@ -281,10 +281,15 @@ class Tap:
                     break
                 frame = bytes(buf[:HEADER_BYTES + length])
                 del buf[:HEADER_BYTES + length]
-                if ftype == FrameType.BLOCK and self.num_forged == 0:
+                if ftype in (FrameType.BLOCK, FrameType.PART) and self.num_forged == 0:
+                    # A whole block, or (P streams layer by layer) a slice of one:
+                    # flip a byte of its KV, past the slice's head and digest.
                     payload = bytearray(frame[HEADER_BYTES:])
-                    payload[len(payload) // 2] ^= 0x01
-                    frame = encode_frame(FrameType.BLOCK, bytes(payload))   # CRC recomputed: valid
+                    start = 0
+                    if ftype == FrameType.PART:
+                        start = 29 + (32 if payload[28] & 1 else 0)   # index, hash, offset, total, flags
+                    payload[start + (len(payload) - start) // 2] ^= 0x01
+                    frame = encode_frame(ftype, bytes(payload))   # CRC recomputed: valid
                     self.num_forged += 1
                 out += frame
             return bytes(out)
@@ -359,7 +364,15 @@ def expected(tiny_model, tiny_model_dir, prompt, n) -> str:
 
 
 def kv_blocks(stream: bytes) -> list[bytes]:
-    return [f.payload[DIGEST_BYTES:] for f in FrameDecoder().feed(stream) if isinstance(f, Block)]
+    """The KV bytes of every block in a plain KV stream: BLOCK payloads past
+    their seal, and blocks P streamed as PART slices, put back together."""
+    whole, parts = [], {}
+    for f in FrameDecoder().feed(stream):
+        if isinstance(f, Block):
+            whole.append(f.payload[DIGEST_BYTES:])
+        elif isinstance(f, Part):
+            parts.setdefault((f.index, f.block_hash), bytearray()).extend(f.data)
+    return whole + [bytes(b) for b in parts.values()]
 
 
 @pytest.fixture(scope="module")
