@@ -205,9 +205,6 @@ class PrefillJob:
                     yield None          # waiting for P: the line is free for others meanwhile
                 await asyncio.sleep(STREAM_POLL_S)
 
-        async def finish() -> dict:
-            return {"first_token": await asyncio.shield(self.prefilled)}
-
     def _in_flight(self) -> bool:
         return any(not h.done for h in self.transfers.values())
 
