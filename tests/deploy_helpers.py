@@ -10,29 +10,44 @@ from contextlib import ExitStack
 from pathlib import Path
 
 
-def free_ports(n: int) -> list[int]:
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+def _ephemeral_start() -> int:
+    """First port the kernel hands out to outgoing connections and bind(0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
-def free_port_run(n: int, start: int = 20000, end: int = 60000) -> int:
-    """First port of n consecutive free ports (the WAN relay maps base + k)."""
-    import random
+# Ports this test process has handed out: a deployment's servers bind them some time after the
+# choice, so the choice must not collide with the kernel's ephemeral ports (an outgoing connection
+# of any test may take one meanwhile: "address already in use" at start-up) nor with an earlier choice.
+_handed_out: set[int] = set()
 
-    for _ in range(200):
-        base = random.randrange(start, end - n)
+
+def free_port_run(n: int, start: int = 12000, end: int | None = None) -> int:
+    """First port of n consecutive free ports, below the ephemeral range (the WAN relay maps base + k)."""
+    end = min(end or _ephemeral_start(), _ephemeral_start())
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(start, end - n)
+        run = range(base, base + n)
+        if any(p in _handed_out for p in run):
+            continue
         with ExitStack() as stack:
             try:
-                for p in range(base, base + n):
+                for p in run:
                     s = stack.enter_context(socket.socket())
                     s.bind(("127.0.0.1", p))
             except OSError:
                 continue
-            return base
+        _handed_out.update(run)
+        return base
     raise RuntimeError("no run of free ports found")
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports, each chosen as a run of one."""
+    return [free_port_run(1) for _ in range(n)]
 
 
 def _toml(v) -> str:
