@@ -4,7 +4,7 @@ import pytest
 
 from pdd.policy import (
     ClusterView, InstanceView, LinkEstimate, NoRouteError, Pipeline, PolicyConfig, RequestFacts,
-    Role, choose_pipeline,
+    Role, choose_pipeline, copy_yields_line,
 )
 
 CFG = PolicyConfig()
@@ -262,15 +262,14 @@ def test_a_queued_line_delays_a_background_copy_behind_every_byte_ahead():
 
 
 def test_which_copies_yield_the_line():
-    from pdd.policy import copy_yields_line
     warm_turn = choose_pipeline(req(), cluster(md_matched=63_984), CFG)
     cold_turn = choose_pipeline(req(), cluster(md_matched=0), CFG)
     refused = choose_pipeline(req(), cluster(md_matched=0, rlds=()), CFG)   # no RLD: direct, slow
     assert refused.pipeline is Pipeline.DIRECT and refused.wait_s > CFG.direct_max_wan_s
-    assert not copy_yields_line(warm_turn, cfg=CFG)       # a user waits on a few blocks: first
-    assert copy_yields_line(cold_turn, cfg=CFG)           # RLD serves the user meanwhile
-    assert copy_yields_line(refused, cfg=CFG)             # seconds anyway: shortest-first with the copies
-    assert copy_yields_line(warm_turn, warm=True, cfg=CFG)
+    assert not copy_yields_line(warm_turn)       # a user waits on a few blocks: first
+    assert copy_yields_line(cold_turn)           # RLD serves the user meanwhile
+    assert copy_yields_line(refused)             # seconds anyway: shortest-first with the copies
+    assert copy_yields_line(warm_turn, warm=True)
 
 
 def test_layer_by_layer_streaming_hides_even_a_one_chunk_prompt():
@@ -283,6 +282,22 @@ def test_layer_by_layer_streaming_hides_even_a_one_chunk_prompt():
     # ... never less than the last layer's slice of the last chunk
     assert wait_after_prefill(0.15, 48, p) == pytest.approx(0.15 / 30)
     assert wait_after_prefill(6.0, 4096, p) == pytest.approx(max(6.0 - 4096 / 200, 6.0 * 512 / 4096 / 30))
+
+
+def test_a_background_copy_waits_only_for_the_copies_shorter_than_itself():
+    # Copies go one at a time, fewest bytes left first: behind three cold
+    # copies' 270 MB a 3 MB copy waits for at most 3 MB of each (none is
+    # shorter; it goes first once it asks), not for all of them.
+    q = LinkEstimate(throughput_bytes_s=12.5e6, rtt_s=0.0, queued_background_bytes=270e6,
+                     queued_background_flows=3)
+    assert q.transfer_s(3e6, background=True) == pytest.approx(12e6 / 12.5e6)
+    # a copy longer than them all waits for them all
+    assert q.transfer_s(200e6, background=True) == pytest.approx(470e6 / 12.5e6)
+    # the count unknown: every byte ahead, as before
+    assert LinkEstimate(throughput_bytes_s=12.5e6, rtt_s=0.0, queued_background_bytes=270e6).transfer_s(
+        3e6, background=True) == pytest.approx(273e6 / 12.5e6)
+    # a foreground transfer never waits for copies
+    assert q.transfer_s(3e6) == pytest.approx(3e6 / 12.5e6)
 
 
 def test_a_foreground_transfer_shares_the_line_with_those_in_flight():
@@ -298,6 +313,33 @@ def test_a_foreground_transfer_shares_the_line_with_those_in_flight():
     # flows unknown: every queued byte ahead, as before
     assert LinkEstimate(throughput_bytes_s=12.5e6, rtt_s=0.0, queued_bytes=100e6).transfer_s(2e6) \
         == pytest.approx(102e6 / 12.5e6)
+def test_a_few_blocks_go_first_on_a_line_crowded_by_a_cold_copy():
+    # wan-bound's 100 Mbit/s line with a cold prompt's 100 MB copy in flight
+    # (found in a run: a warm turn's 1.5 MB copy was routed as "slow", so it
+    # yielded, and waited 4 s behind an 83 MB direct copy that did not).
+    line = LinkEstimate(throughput_bytes_s=12.5e6, rtt_s=0.04, queued_bytes=100e6, queued_flows=1)
+    r = RequestFacts("r1", 2_400, 40, 46_080, 16)
+    few = ClusterView(cluster().instances, {"m0": 2_400 - 32}, line, 10.0)   # 2 blocks lacking
+    warm = choose_pipeline(r, few, CFG)
+    assert not warm.big_copy and not copy_yields_line(warm)
+    # A whole prompt's copy is big however idle the line: it yields, so a
+    # direct user of it waits as a copy's does (behind the bytes ahead).
+    idle = LinkEstimate(throughput_bytes_s=12.5e6, rtt_s=0.04)
+    cold = choose_pipeline(r, ClusterView(cluster(rlds=()).instances, {}, idle, 10.0), CFG)
+    assert cold.pipeline is Pipeline.DIRECT and cold.big_copy and copy_yields_line(cold)
+    crowded = choose_pipeline(r, ClusterView(cluster(rlds=()).instances, {}, line, 10.0), CFG)
+    assert crowded.wait_s == pytest.approx(line.transfer_s(crowded.missing_bytes, background=True))
+    # the boundary is the copy's own time on an idle line
+    assert idle.bytes_s(cold.missing_bytes) > CFG.direct_max_wan_s >= idle.bytes_s(warm.missing_bytes)
+    # ... its bytes alone: a receiver's fixed cost makes no copy big
+    slow_rx = LinkEstimate(throughput_bytes_s=12.5e6, rtt_s=0.04, overhead_s=0.6)
+    assert not choose_pipeline(r, ClusterView(cluster().instances, {"m0": 2_400 - 32}, slow_rx, 10.0),
+                               CFG).big_copy
+    # A PD baseline's decoder has no gate: nothing yields there.
+    pd = choose_pipeline(r, pd_cluster(wan=idle), CFG)
+    assert pd.big_copy and not copy_yields_line(pd)
+
+
 # -- the PD baselines: P and D by the same call (router `choose_pd`, simulator) --
 def pd_cluster(p_load=(0, 0), d_load=(0, 0), matched=None, wan=WAN):
     """p0, p1 (PREFILL) and d0, d1 (DECODE); loads are running requests."""

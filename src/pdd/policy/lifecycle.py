@@ -102,9 +102,9 @@ class RequestLifecycle(RecoveryRules):
         if self.md_id is not None:
             self._open(Leg.MD, self.md_id, hold=self.d.pipeline is Pipeline.RELAY)
             self.md_live = True
-            targets.append(Transfer(self.md_id, background=copy_yields_line(self.d, cfg=self.cfg)))
+            targets.append(Transfer(self.md_id, background=copy_yields_line(self.d)))
         if self.warm is not None:
-            targets.append(Transfer(*self.warm, background=copy_yields_line(self.d, warm=True, cfg=self.cfg)))
+            targets.append(Transfer(*self.warm, background=copy_yields_line(self.d, warm=True)))
         self.transfers = {t.instance_id: None for t in targets}
         self.p_open = True
         self._out.append(StartPrefill(self.p_id, tuple(targets)))

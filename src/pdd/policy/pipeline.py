@@ -82,6 +82,10 @@ class PipelineDecision:
     # The deployment orders its line (PDD's senders: `copy_yields_line`); a PD
     # baseline's decoder (DECODE, not MAIN) takes its KV as plain TCP flows.
     gated: bool = True
+    # A DIRECT copy too big to be a user's short wait (its bytes alone take
+    # longer than direct_max_wan_s at the line's rate): it yields the line
+    # (`copy_yields_line`).
+    big_copy: bool = False
 
     def __post_init__(self) -> None:
         if self.wait_s == math.inf and math.isfinite(self.est_wan_s):
@@ -165,13 +169,16 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
     # the part that streams while P computes. A relayed request's copy goes
     # as background, behind the other copies too: when MD could take over.
     p_view, new_tokens = cluster.instance(p_id), max(n - cluster.matched(p_id), 0)
-    wait = wait_after_prefill(est, new_tokens, p_view)
     copy_wait = wait_after_prefill(cluster.wan.transfer_s(missing, background=True), new_tokens, p_view)
+    # A copy whose own bytes outlast a short wait yields the line to those
+    # that do not (shortest first), so a direct user waits for it as for a copy.
+    big = cluster.wan.bytes_s(missing) > cfg.direct_max_wan_s
+    wait = copy_wait if big else wait_after_prefill(est, new_tokens, p_view)
     filterable = bool(cluster.with_role(Role.RELAY)) and in_filter_class(req, cluster.matched(p_id), cfg)
 
     def direct(why: str) -> PipelineDecision:
         return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why, filterable,
-                                wait_s=wait, gated=bool(cluster.with_role(Role.MAIN)))
+                                wait_s=wait, gated=bool(cluster.with_role(Role.MAIN)), big_copy=big)
 
     m = req.max_tokens
     # RLD-only is bounded by its own budget of requests only: by the class's
@@ -236,23 +243,25 @@ def keep_wan_copy(d: PipelineDecision) -> bool:
     return d.start_wan and not d.filterable
 
 
-def copy_yields_line(d: PipelineDecision, warm: bool = False, cfg: PolicyConfig | None = None) -> bool:
+def copy_yields_line(d: PipelineDecision, warm: bool = False) -> bool:
     """Whether P's copy of the KV to MD yields the line to transfers a user
     waits on (router and simulator alike). It does when RLD serves the user
     meanwhile (RELAY: the copy only readies MD for the handoff), when it only
-    warms MD's cache, and when even a direct request's copy is expected to
-    take seconds (past `direct_max_wan_s`: its user waits that long anyway,
-    and giving it the line first would hold back the copies that the next
-    turns of other conversations need on MD). What does not yield is a direct
-    request's copy that lands within a fraction of a second (a warm turn's
-    few new blocks), or a resend after a lost RLD. Yielding copies share what
-    is left of the line one at a time, fewest bytes left first. A PD
-    baseline (no MainDecode: `d.gated` false) has no such gate: its copies
-    share the line as TCP flows do, in the simulator as on the servers."""
-    cfg = cfg or PolicyConfig()
+    warms MD's cache, and when a direct request's copy is big: its bytes
+    alone take longer than `direct_max_wan_s` at the line's rate
+    (`big_copy`; its user waits that long anyway, and giving it the line
+    first would hold back the warm turns' few blocks that other users wait
+    on). What does not yield is a direct copy of a few blocks, however
+    crowded the line when it was routed (judged by its size, not by its
+    estimated end: that estimate counts the big copies ahead of it, which
+    is what yielding removes), or a resend after a lost RLD. Yielding copies
+    share what is left of the line one at a time, fewest bytes left first. A
+    PD baseline (no MainDecode: `d.gated` false) has no such gate: its
+    copies share the line as TCP flows do, in the simulator as on the
+    servers."""
     if warm or d.pipeline is Pipeline.RELAY:
         return True
-    return d.gated and d.pipeline is Pipeline.DIRECT and d.wait_s > cfg.direct_max_wan_s
+    return d.gated and d.pipeline is Pipeline.DIRECT and d.big_copy
 
 
 def plan_warm(d: PipelineDecision, matched: Mapping[str, int], prefix_key: Callable[[int], Hashable],

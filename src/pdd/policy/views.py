@@ -87,30 +87,44 @@ class LinkEstimate:
     # Foreground transfers those queued bytes belong to (0: unknown, then the
     # bytes count as all ahead): they share the line with a new one.
     queued_flows: int = 0
+    # Background copies the background bytes belong to (0: unknown, all ahead).
+    queued_background_flows: int = 0
 
     def __post_init__(self) -> None:
         if min(self.throughput_bytes_s, self.rtt_s, self.overhead_s, self.queued_bytes,
-               self.queued_background_bytes, self.queued_flows) < 0:
+               self.queued_background_bytes, self.queued_flows, self.queued_background_flows) < 0:
             raise ValueError("link estimate must be non-negative")
 
     @property
     def usable(self) -> bool:
         return self.up and self.throughput_bytes_s > 0
 
+    def bytes_s(self, num_bytes: int) -> float:
+        """A transfer's own size in line time: its bytes alone at the line's rate
+        (no round trip, no fixed cost, nothing ahead)."""
+        if not self.usable:
+            return math.inf
+        return num_bytes / self.throughput_bytes_s
+
     def transfer_s(self, num_bytes: int, background: bool = False) -> float:
         """One handshake round trip, the fixed overhead, the bytes at the
         estimated rate behind what is queued ahead: the foreground bytes, and
-        for a background copy the other copies too (an upper bound: shorter
-        ones go first). A foreground transfer shares the line with the
-        foreground ones in flight: while its bytes cross, each of `queued_flows`
-        others sends about as much (less if it ends first), not all it has
-        left (a cold prompt's copy streams for as long as P computes it)."""
+        for a background copy the other copies too. A foreground transfer
+        shares the line with the foreground ones in flight: while its bytes
+        cross, each of `queued_flows` others sends about as much (less if it
+        ends first), not all it has left (a cold prompt's copy streams for as
+        long as P computes it). Background copies go one at a time, fewest
+        bytes left first: one with more left than this copy waits for it, so
+        each of `queued_background_flows` puts at most this copy's bytes ahead."""
         if not self.usable:
             return math.inf
         fg = self.queued_bytes
         if self.queued_flows > 0 and not background:
             fg = min(fg, self.queued_flows * float(num_bytes))
-        ahead = fg + (self.queued_background_bytes if background else 0.0)
+        bg = self.queued_background_bytes if background else 0.0
+        if background and self.queued_background_flows > 0:
+            bg = min(bg, self.queued_background_flows * float(num_bytes))
+        ahead = fg + bg
         return self.rtt_s + self.overhead_s + (ahead + num_bytes) / self.throughput_bytes_s
 
 

@@ -176,6 +176,7 @@ class Cluster:
         backlogs = [m.send_backlog for m in self.members.values() if m.send_backlog]
         est = replace(est, queued_bytes=float(sum(b.get("foreground", 0) for b in backlogs)),
                       queued_background_bytes=float(sum(b.get("background", 0) for b in backlogs)),
-                      queued_flows=int(sum(b.get("foreground_transfers", 0) for b in backlogs)))
+                      queued_flows=int(sum(b.get("foreground_transfers", 0) for b in backlogs)),
+                      queued_background_flows=int(sum(b.get("background_transfers", 0) for b in backlogs)))
         return ClusterView(tuple(self._view(m) for m in members), matched, est, now,
                            local=self.local.estimate(now))

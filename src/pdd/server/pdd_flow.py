@@ -49,6 +49,7 @@ class PddRun:
         self.out: list[int] = []                     # tokens committed by the last fact, to yield
         self.background: set[asyncio.Task] = set()
         self.log = DecisionLog()                     # the commands, for the trace ("lifecycle")
+        self.p_counted: str | None = None            # P counts this request as its own until it prefilled it
 
     def facts(self) -> RequestFacts:
         ctx = self.ctx
@@ -110,6 +111,7 @@ class PddRun:
             t.handoff_batches = self.lc.handoff_batches
             t.pipeline = self.lc.outcome.value          # the filter may have cancelled, failover moved
             t.event("lifecycle", log=list(self.log.words))    # what `pdd sim --validate` compares
+            self.uncount_p()
             for leg in (io.Leg.RLD, io.Leg.MD):
                 if leg in self.members:
                     self.cluster.dispatched(self.members[leg].spec.name, -1)
@@ -149,12 +151,14 @@ class PddRun:
         if src == "p":
             if kind == "prefilled":
                 note_prefill(self.ctx, ev)
+                self.uncount_p()
                 return io.Prefilled(now, ev["token"], bool(ev.get("stop")))
             if kind == "transfer":
                 note_transfer(self.ctx, ev, self.cluster)
                 return io.TransferEnded(now, ev["target"], bool(ev.get("ok")), ev.get("error") or "",
                                         self.healthy())
             if kind in ("finished", "closed"):
+                self.uncount_p()
                 return io.PrefillEnded(now, ev.get("error") or "")
             return None
         leg = io.Leg(src)
@@ -288,6 +292,14 @@ class PddRun:
             dest = target(c, p, c.members[t.instance_id], ctx, background=t.background)
             body["targets"].append(dest | ({"warm_blocks": t.warm_blocks} if t.warm_blocks else {}))
         self.streams.open("p", p, "/internal/prefill", body, ctx.remaining_s())
+        if self.p_counted is None:      # as the PD flows and the simulator count it
+            self.p_counted = p.spec.name
+            c.dispatched(p.spec.name, +1)
+
+    def uncount_p(self) -> None:
+        if self.p_counted is not None:
+            self.cluster.dispatched(self.p_counted, -1)
+            self.p_counted = None
 
     def emit(self, tok: int, source: str) -> None:
         if source == "md" and self.ctx.trace.rld_tokens and self.ctx.trace.handoff_gap_s is None:

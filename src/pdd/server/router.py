@@ -121,7 +121,8 @@ class RouterServer:
         return web.json_response(t.to_dict())
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+        counts = {n: m.in_flight for n, m in self.cluster.members.items()} if self.cluster else {}
+        return web.Response(body=self.metrics.render(counts), headers={"Content-Type": "text/plain; version=0.0.4"})
 
     # -- generation ---------------------------------------------------------------
     def flow(self, ctx: RequestContext):

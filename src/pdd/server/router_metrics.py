@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdd.policy.lifecycle_io import Outcome
 from pdd.server.trace import RequestTrace
@@ -36,6 +36,9 @@ class RouterMetrics:
                                          buckets=(1, 2, 3, 4, 6, 8), registry=r)
         self.handoff_gap = Histogram("pdd_router_handoff_gap_seconds", "Token-stream gap at the RLD -> MD switch",
                                      buckets=_ITL, registry=r)
+        self.dispatched = Gauge("pdd_router_dispatched_requests",
+                                "Requests this router has on each instance now (on P: until P has prefilled them)",
+                                ["instance"], registry=r)
         self.kv_landed = Histogram("pdd_router_kv_landed_seconds", "Arrival -> KV landed, per link",
                                    ["link"], buckets=_LAT, registry=r)
 
@@ -64,5 +67,7 @@ class RouterMetrics:
             if ev["name"] == "kv_transfer" and ev.get("ok") and ev.get("link"):
                 self.kv_landed.labels(ev["link"]).observe(ev["ts"] - t.arrival_s)
 
-    def render(self) -> bytes:
+    def render(self, dispatched: dict[str, int] | None = None) -> bytes:
+        for name, n in (dispatched or {}).items():
+            self.dispatched.labels(name).set(n)
         return generate_latest(self.registry)

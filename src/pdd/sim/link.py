@@ -165,6 +165,10 @@ class Link:
     def foreground_flows(self) -> int:
         return sum(1 for f in self.flows.values() if not f.background)
 
+    @property
+    def background_flows(self) -> int:
+        return sum(1 for f in self.flows.values() if f.background)
+
     def promote(self, now: float, flow_id: str) -> tuple[float, int] | None:
         """A background flow becomes foreground (a foreground transfer waits on it)."""
         f = self.flows.get(flow_id)

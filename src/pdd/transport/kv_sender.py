@@ -159,15 +159,16 @@ class KVSender:
 
     def backlog(self) -> dict[str, dict[str, int]]:
         """Bytes still to send per line, foreground and background (from the
-        block sizes the callers gave), and the foreground transfers, for the
+        block sizes the callers gave), and the transfers of each kind, for the
         router's line estimate."""
         out: dict[str, dict[str, int]] = {}
         for h in list(self._active):
             if h.line is None or h.done:
                 continue
-            per = out.setdefault(h.line, {"foreground": 0, "background": 0, "foreground_transfers": 0})
+            per = out.setdefault(h.line, {"foreground": 0, "background": 0, "foreground_transfers": 0,
+                                          "background_transfers": 0})
             per["background" if h.background else "foreground"] += h.bytes_left()
-            per["foreground_transfers"] += not h.background
+            per["background_transfers" if h.background else "foreground_transfers"] += 1
         return out
 
     async def close(self) -> None:
