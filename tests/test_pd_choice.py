@@ -35,7 +35,8 @@ from pdd.sim import cluster as sim_cluster
 from pdd.sim.bench_stream import BenchStream, chained_block_ids, to_spec
 from pdd.sim.deployment import mode_from_spec, model_shape
 from pdd.sim.instance import Seq
-from pdd.sim.loop import Event, EventKind
+from pdd.sim.events import Arrival
+from pdd.sim.loop import Event
 from pdd.sim.request import RequestSpec, SimRequest
 from pdd.sim.scenario import Scenario, SimSettings
 
@@ -124,7 +125,8 @@ class World:
                              self.now + 60, self.kv_bytes_per_token, BS)
         p, d = choose_pd(ctx, self.router, self.now)
         spec = to_spec(WorkloadRequest("q", 0.0, ids, max_tokens), BS)
-        self.sim._on_arrival(Event(0.0, EventKind.ARRIVAL, "q", spec))
+        self.sim.arriving["q"] = spec
+        self.sim._on_arrival(Event(0.0, Arrival("q")))
         (_, sim_d), = self.seen["sim"][-1:]
         return (p.spec.name, d.spec.name), (sim_d.p_id, sim_d.md_id)
 

@@ -10,19 +10,26 @@ from pdd.sim.scenario import load
 TINY = Path(__file__).resolve().parents[1] / "examples" / "sim" / "tiny.toml"
 
 
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    """A test record: its kind and key are given per instance."""
+    KIND: EventKind
+    key: str
+    n: int = 0
+
+
 def test_ties_break_on_time_kind_key_then_creation():
     loop = EventLoop()
     seen = []
-    for kind in EventKind:
-        loop.on(kind, lambda ev: seen.append((ev.kind.name, ev.key, ev.data)))
-    loop.push(Event(1.0, EventKind.ARRIVAL, "b", 1))
-    loop.push(Event(1.0, EventKind.ARRIVAL, "a", 2))
-    loop.push(Event(1.0, EventKind.STEP_END, "z", 3))
-    loop.push(Event(0.5, EventKind.ARRIVAL, "z", 4))
-    loop.push(Event(1.0, EventKind.ARRIVAL, "a", 5))
-    loop.push(Event(1.0, EventKind.TRANSFER_DONE, "y", 6))
+    loop.on(Tick, lambda ev: seen.append(ev.record.n))
+    loop.push(Event(1.0, Tick(EventKind.ARRIVAL, "b", 1)))
+    loop.push(Event(1.0, Tick(EventKind.ARRIVAL, "a", 2)))
+    loop.push(Event(1.0, Tick(EventKind.STEP_END, "z", 3)))
+    loop.push(Event(0.5, Tick(EventKind.ARRIVAL, "z", 4)))
+    loop.push(Event(1.0, Tick(EventKind.ARRIVAL, "a", 5)))
+    loop.push(Event(1.0, Tick(EventKind.TRANSFER_DONE, "y", 6)))
     assert loop.run() == 6
-    assert [d for *_, d in seen] == [4, 6, 3, 2, 5, 1]
+    assert seen == [4, 6, 3, 2, 5, 1]
 
 
 def test_handlers_return_next_events_and_until_stops():
@@ -31,9 +38,9 @@ def test_handlers_return_next_events_and_until_stops():
 
     def tick(ev):
         times.append(ev.time)
-        return [Event(ev.time + 1.0, EventKind.STEP_END, "i")]
-    loop.on(EventKind.STEP_END, tick)
-    loop.push(Event(0.0, EventKind.STEP_END, "i"))
+        return [Event(ev.time + 1.0, Tick(EventKind.STEP_END, "i"))]
+    loop.on(Tick, tick)
+    loop.push(Event(0.0, Tick(EventKind.STEP_END, "i")))
     loop.run(until_s=3.5)
     assert times == [0.0, 1.0, 2.0, 3.0]
     assert loop.peek_time() == 4.0
@@ -41,9 +48,16 @@ def test_handlers_return_next_events_and_until_stops():
 
 def test_past_events_are_refused():
     loop = EventLoop()
-    loop.on(EventKind.ARRIVAL, lambda ev: [Event(ev.time - 1, EventKind.ARRIVAL, "x")])
-    loop.push(Event(5.0, EventKind.ARRIVAL, "x"))
+    loop.on(Tick, lambda ev: [Event(ev.time - 1, Tick(EventKind.ARRIVAL, "x"))])
+    loop.push(Event(5.0, Tick(EventKind.ARRIVAL, "x")))
     with pytest.raises(ValueError, match="past"):
+        loop.run()
+
+
+def test_a_record_without_a_handler_is_an_error():
+    loop = EventLoop()
+    loop.push(Event(0.0, Tick(EventKind.ARRIVAL, "x")))
+    with pytest.raises(RuntimeError, match="no handler for Tick"):
         loop.run()
 
 

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from pdd.measure.flags import add_workload_arguments
@@ -36,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="output folder (summary.json ...); with --calibrate, a .json file")
     p.add_argument("--records", action="store_true", help="scenarios: also write records-<mode>.jsonl")
+    p.add_argument("--event-log", type=Path, default=None, metavar="FILE",
+                   help="write every simulated event to FILE, one JSON line each "
+                        "(t, kind, type, mode, the record's fields): diff two runs")
     p.add_argument("--duration", type=float, default=None,
                    help="scenarios: override workload.duration_s (quick looks)")
     p.add_argument("--calibrate", nargs="+", type=Path, default=None, metavar="STEPS",
@@ -168,8 +172,9 @@ def _run_runtime(args) -> int:
     from pdd.deploy.spec import link_overrides
 
     modes = [RuntimeMode(c.stem, str(c), link_overrides(args.wan_mbps)) for c in args.config]
-    summary = simulate_deployments(modes, wl, sla, args.out, _calibration(args), _options(args),
-                                   plots=not args.no_plots)
+    with _event_log(args) as log:
+        summary = simulate_deployments(modes, wl, sla, args.out, _calibration(args), _options(args),
+                                       plots=not args.no_plots, event_log=log)
     report.print_table(summary)
     print(f"wall {summary['wall_s']:.2f}s, simulated {summary['simulated_s']:.1f}s"
           + (f", wrote {args.out / 'summary.json'}" if args.out else ""))
@@ -188,11 +193,26 @@ def _run_scenarios(args) -> int:
             scenario, workload=dataclasses.replace(scenario.workload, duration_s=args.duration),
             settings=dataclasses.replace(scenario.settings,
                                          warmup_s=min(scenario.settings.warmup_s, args.duration / 4)))
-    summary = simulate(scenario, args.out, args.records)
+    with _event_log(args) as log:
+        summary = simulate(scenario, args.out, args.records, event_log=log)
     print_scenario_table(summary)
     print(f"wall {summary['wall_s']:.1f}s, simulated {summary['simulated_s']:.0f}s"
           + (f", wrote {args.out / 'summary.json'}" if args.out else ""))
     return 0
+
+
+@contextlib.contextmanager
+def _event_log(args):
+    """The run's `EventLog` on --event-log FILE, or None."""
+    if args.event_log is None:
+        yield None
+        return
+    from pdd.sim.events import EventLog
+
+    args.event_log.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.event_log, "w") as f:
+        yield EventLog(f)
+    print(f"wrote {args.event_log}")
 
 
 def print_scenario_table(summary: dict) -> None:

@@ -50,7 +50,8 @@ from pdd.sim.hardware import get_profile
 from pdd.sim.instance import Job, JobKind, Seq, SimInstance
 from pdd.sim.lifecycle_driver import LifecycleDriverMixin
 from pdd.sim.link import Link
-from pdd.sim.loop import Event, EventKind, EventLoop
+from pdd.sim.events import Arrival, CoreDone, StepEnd
+from pdd.sim.loop import Event, EventLoop
 from pdd.sim.request import SimRequest
 from pdd.sim.scenario import ModeSpec, Scenario
 from pdd.sim.transfers import TransfersMixin
@@ -59,7 +60,7 @@ DECODERS = (Role.MAIN, Role.DECODE)
 
 
 class Cluster(TransfersMixin, LifecycleDriverMixin):
-    def __init__(self, mode: ModeSpec, scenario: Scenario, stream) -> None:
+    def __init__(self, mode: ModeSpec, scenario: Scenario, stream, event_log=None) -> None:
         self.mode, self.scenario, self.stream = mode, scenario, stream
         self.cfg = mode.policy
         self.model = scenario.model
@@ -117,14 +118,17 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         self.flow_yielded: dict[str, float] = {}     # flow id -> seconds it yielded the line
         self.flow_waiters: dict[str, list] = {}      # flow id -> callbacks when it ends (landed or cancelled)
         self.flow_begun: set[str] = set()            # flows whose BEGIN the receiver has taken
+        # instance id -> messages waiting for its next step boundary (`_deliver`)
         self.pending: dict[str, list] = {iid: [] for iid in self.instances}
         self.requests: list[SimRequest] = []
-        self.loop = EventLoop()
-        self.loop.on(EventKind.ARRIVAL, self._on_arrival)
-        self.loop.on(EventKind.STEP_END, self._on_step_end)
-        self.loop.on(EventKind.TRANSFER_DONE, self._on_transfer_done)
-        self.loop.on(EventKind.CORE_DONE, self._on_core_done)
-        self.loop.on(EventKind.MESSAGE, lambda ev: ev.data(ev.time))
+        self.by_id: dict[str, SimRequest] = {}       # request id -> its request, once arrived
+        self.arriving: dict = {}                     # request id -> spec of a scheduled Arrival
+        self.loop = EventLoop(event_log)
+        self.loop.on(Arrival, self._on_arrival)
+        self.loop.on(StepEnd, self._on_step_end)
+        self.loop.on(CoreDone, self._on_core_done)
+        self._register_transfer_events()
+        self._register_lifecycle_events()
         self.router_delay_s = 0.0
         sv = mode.serving
         self.manifest_wait = sv is not None and sv.manifest_after_step
@@ -173,10 +177,11 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
     def _arrival(self, spec) -> Event:
         # The router's own work (and prefix-match round trips) come before the
         # policy sees the request; the record keeps the user's send time.
-        return Event(spec.arrival_s + self.router_delay_s, EventKind.ARRIVAL, spec.request_id, spec)
+        self.arriving[spec.request_id] = spec
+        return Event(spec.arrival_s + self.router_delay_s, Arrival(spec.request_id))
 
-    def _later(self, delay: float, key: str, fn) -> Event:
-        return Event(self.loop.now + delay, EventKind.MESSAGE, key, fn)
+    def _later(self, delay: float, record) -> Event:
+        return Event(self.loop.now + delay, record)
 
     def _one_way(self, a: SimInstance, b: SimInstance) -> float:
         return self.links[self._link_name(a.datacenter, b.datacenter)].rtt_s / 2
@@ -186,7 +191,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
             return []           # `_step_done` starts the next step once all it runs has run
         if inst.busy:
             t = inst.interrupt(now)
-            return [] if t is None else [Event(t, EventKind.STEP_END, inst.instance_id, inst.version)]
+            return [] if t is None else [Event(t, StepEnd(inst.instance_id, inst.version))]
         evs = self._run_pending(inst, now)
         t = inst.start_step(now)
         evs += self._on_admitted(inst, now)
@@ -199,30 +204,32 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
             return evs
         core = self.core_of.get(inst.instance_id)
         if core is None:
-            evs.append(Event(t, EventKind.STEP_END, inst.instance_id, inst.version))
+            evs.append(Event(t, StepEnd(inst.instance_id, inst.version)))
         else:
             nxt = self.cores[core].add(now, inst.instance_id, max(t - now, 1e-9))
             if nxt:
-                evs.append(Event(nxt[0], EventKind.CORE_DONE, core, nxt[1]))
+                evs.append(Event(nxt[0], CoreDone(core, nxt[1])))
         return evs
 
     def _on_core_done(self, ev: Event) -> list[Event]:
-        done, nxt = self.cores[ev.key].complete(ev.time, ev.data)
-        evs = [Event(nxt[0], EventKind.CORE_DONE, ev.key, nxt[1])] if nxt else []
+        core = ev.record.core
+        done, nxt = self.cores[core].complete(ev.time, ev.record.version)
+        evs = [Event(nxt[0], CoreDone(core, nxt[1]))] if nxt else []
         for flow in done:
             evs += self._step_done(self.instances[flow.flow_id], ev.time)
         return evs
 
-    def _deliver(self, inst: SimInstance, now: float, fn) -> list[Event]:
-        """Run `fn(now)` on `inst` at a step boundary (now, or the next one)."""
-        self.pending[inst.instance_id].append(fn)
+    def _deliver(self, inst: SimInstance, now: float, message) -> list[Event]:
+        """Take `message` (an event's record) on `inst` at a step boundary
+        (now, or the next one), as the server's engine takes a command."""
+        self.pending[inst.instance_id].append(message)
         return self._kick(inst, now)
 
     def _run_pending(self, inst: SimInstance, now: float) -> list[Event]:
         evs: list[Event] = []
         todo = self.pending[inst.instance_id]
         while todo:
-            evs += todo.pop(0)(now) or []
+            evs += self._at_boundary(todo.pop(0), now)
         return evs
 
     def _facts(self, req: SimRequest) -> RequestFacts:
@@ -238,8 +245,9 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
     # --- arrival: the policy decides ----------------------------------------
     def _on_arrival(self, ev: Event) -> list[Event]:
         now = ev.time
-        req = SimRequest(ev.data, self.stride)
+        req = SimRequest(self.arriving.pop(ev.record.request_id), self.stride)
         self.requests.append(req)
+        self.by_id[req.spec.request_id] = req
         if self.colocated:
             views = [i.view() for i in self.colocated]
             matched = {i.instance_id: self._matched(i, req) for i in self.colocated}
@@ -289,8 +297,8 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
 
     # --- steps --------------------------------------------------------------
     def _on_step_end(self, ev: Event) -> list[Event]:
-        inst = self.instances[ev.key]
-        if ev.data != inst.version or not inst.busy:
+        inst = self.instances[ev.record.instance_id]
+        if ev.record.version != inst.version or not inst.busy:
             return []       # truncated macro step: a newer end is queued
         return self._step_done(inst, ev.time)
 

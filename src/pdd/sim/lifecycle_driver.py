@@ -11,7 +11,8 @@ the router's `PddRun` drives; this module only times them.
 
 A mixin of `pdd.sim.cluster.Cluster`. As in the servers, messages between
 RLD and MD (MD ready, a batch of token ids, an extend done) take one-way
-link latency and run on the receiving engine at a step boundary.
+link latency and run on the receiving engine at a step boundary; each is an
+event record (`pdd.sim.events`) naming the request and the instances by id.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pdd.policy import lifecycle_io as io
 from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.views import Role
+from pdd.sim.events import ExtendedReachesRld, ExtendReachesMd, MdReadyReachesRld
 from pdd.sim.instance import Job, JobKind, Seq, SimInstance
 from pdd.sim.loop import Event
 from pdd.sim.request import SimRequest
@@ -36,6 +38,11 @@ class ExtendBatch:
 
 
 class LifecycleDriverMixin:
+    def _register_lifecycle_events(self) -> None:
+        for record_type in (MdReadyReachesRld, ExtendedReachesRld):
+            self.loop.on(record_type, self._on_reaches_rld)
+        self.loop.on(ExtendReachesMd, self._on_extend_reaches_md)
+
     # --- facts in ------------------------------------------------------------
     def _begin(self, req: SimRequest, d, matched: int, now: float) -> list[Event]:
         req.lc = RequestLifecycle(self._facts(req), d, self.cfg, self.relay_budgets, req.warm_blocks)
@@ -108,12 +115,23 @@ class LifecycleDriverMixin:
         """MD admitted a held request: RLD hears of it (one way), at a step boundary."""
         req = seq.req
         rld = self.instances[req.lc.rld_id] if req.lc.rld_id else md
+        msg = MdReadyReachesRld(rld.instance_id, req.spec.request_id, md.instance_id)
+        return [self._later(self._one_way(md, rld), msg)]
 
-        def at_rld(t: float) -> list[Event]:
-            if seq.removed:
-                return []
-            return self._feed(req, io.KvReady(t, rld.view()))
-        return [self._later(self._one_way(md, rld), rld.instance_id, lambda t: self._deliver(rld, t, at_rld))]
+    def _on_reaches_rld(self, ev: Event) -> list[Event]:
+        """A message from MD reached RLD: it waits for RLD's step boundary."""
+        return self._deliver(self.instances[ev.record.to_id], ev.time, ev.record)
+
+    def _at_boundary(self, msg, now: float) -> list[Event]:
+        """A message delivered to an instance takes effect at its step boundary."""
+        req = self.by_id[msg.request_id]
+        if isinstance(msg, ExtendedReachesRld):
+            return self._feed(req, io.Extended(now, msg.end))
+        # MdReadyReachesRld: unless MD has dropped the request meanwhile.
+        md_id, seq = req.seqs.get(io.Leg.MD, (None, None))
+        if seq is None or md_id != msg.md_id or seq.removed:
+            return []
+        return self._feed(req, io.KvReady(now, self.instances[msg.to_id].view()))
 
     def _on_extend_done(self, md: SimInstance, job: Job, now: float) -> list[Event]:
         req, batch = job.req, job.data
@@ -128,8 +146,8 @@ class LifecycleDriverMixin:
             md.start_decoding(seq)
             return self._kick(md, now) if job.num_tokens == 0 else []
         rld = self.instances[req.lc.rld_id] if req.lc.rld_id else md
-        at_rld = lambda t: self._feed(req, io.Extended(t, batch.end))
-        return [self._later(self._one_way(md, rld), rld.instance_id, lambda t: self._deliver(rld, t, at_rld))]
+        msg = ExtendedReachesRld(rld.instance_id, req.spec.request_id, batch.end)
+        return [self._later(self._one_way(md, rld), msg)]
 
     def _first_step_tokens(self, prompt_tokens: int) -> int:
         """What a decoder's first step computes for a request whose KV it
@@ -235,19 +253,24 @@ class LifecycleDriverMixin:
         the prompt's KV)."""
         md = self.instances[cmd.instance_id]
         n = len(cmd.token_ids) + (1 if req.md_context == 0 else 0)
-        job = Job(req, JobKind.EXTEND, n, req.spec.prompt_tokens + req.md_context, 0,
-                  data=ExtendBatch(cmd.final, req.md_context + n))
+        msg = ExtendReachesMd(md.instance_id, req.spec.request_id, num_tokens=n,
+                              ctx_start=req.spec.prompt_tokens + req.md_context,
+                              final=cmd.final, end=req.md_context + n)
         req.md_context += n
         rld_id = req.lc.rld_id or req.p_id
+        return [self._later(self._one_way(self.instances[rld_id], md), msg)]
 
-        def at_md(t: float) -> list[Event]:
-            if req.lc.done is not None:
-                return []
-            if job.num_tokens == 0:
-                return self._on_extend_done(md, job, t)
-            md.add_job(job)
-            return self._kick(md, t)
-        return [self._later(self._one_way(self.instances[rld_id], md), md.instance_id, at_md)]
+    def _on_extend_reaches_md(self, ev: Event) -> list[Event]:
+        msg, t = ev.record, ev.time
+        req, md = self.by_id[msg.request_id], self.instances[msg.to_id]
+        if req.lc.done is not None:
+            return []
+        job = Job(req, JobKind.EXTEND, msg.num_tokens, msg.ctx_start, 0,
+                  data=ExtendBatch(msg.final, msg.end))
+        if job.num_tokens == 0:
+            return self._on_extend_done(md, job, t)
+        md.add_job(job)
+        return self._kick(md, t)
 
     def _pause(self, req: SimRequest, pause: bool, now: float) -> list[Event]:
         if io.Leg.RLD not in req.seqs:

@@ -1,13 +1,16 @@
 """The discrete-event loop: a heap of events, handlers that return new ones.
 
-Ties are broken on (time, kind, key, seq): events at the same instant run in
-the order of their kind (completions before new work, so a freed slot is seen
-by an arrival at that instant), then by a stable string key (instance or
-request id), then in order of creation. No wall clock, no randomness: the
-same inputs replay the same run event for event.
+An event is a typed record at a time (`pdd.sim.events`): the record's class
+says what happens and picks the handler; its fields name what it concerns
+by id. Ties are broken on (time, kind, key, seq): events at the same instant
+run in the order of their kind (completions before new work, so a freed slot
+is seen by an arrival at that instant), then by the record's stable string
+key (instance, link or request id), then in order of creation. No wall
+clock, no randomness: the same inputs replay the same run event for event,
+and an optional `log` writes each event as it runs (`events.EventLog`).
 
-Handlers are registered per kind and may return None or an iterable of
-events. An object that wants to cancel a scheduled event bumps its own
+Handlers are registered per record type and may return None or an iterable
+of events. An object that wants to cancel a scheduled event bumps its own
 version counter and ignores the stale event when it fires: deleting from a
 heap is dearer than skipping.
 """
@@ -32,40 +35,50 @@ class EventKind(IntEnum):
 
 
 class Event:
-    __slots__ = ("time", "kind", "key", "data")
+    """`record` happens at `time`; the record has `KIND` and `key`."""
 
-    def __init__(self, time: float, kind: EventKind, key: str, data: Any = None) -> None:
+    __slots__ = ("time", "record")
+
+    def __init__(self, time: float, record: Any) -> None:
         if math.isnan(time):
-            raise ValueError(f"event {kind.name}/{key} at NaN time")
+            raise ValueError(f"event {record!r} at NaN time")
         self.time = time
-        self.kind = kind
-        self.key = key
-        self.data = data
+        self.record = record
+
+    @property
+    def kind(self) -> EventKind:
+        return self.record.KIND
+
+    @property
+    def key(self) -> str:
+        return self.record.key
 
     def __repr__(self) -> str:
-        return f"Event({self.time:.6f}, {self.kind.name}, {self.key!r})"
+        return f"Event({self.time:.6f}, {self.record!r})"
 
 
 Handler = Callable[[Event], Iterable[Event] | None]
 
 
 class EventLoop:
-    def __init__(self) -> None:
+    def __init__(self, log=None) -> None:
         self._heap: list[tuple[float, int, str, int, Event]] = []
         self._seq = 0
-        self._handlers: dict[EventKind, Handler] = {}
+        self._handlers: dict[type, Handler] = {}
         self.now = 0.0
         self.num_events = 0
+        self.log = log          # has .write(time, record), or None
 
-    def on(self, kind: EventKind, handler: Handler) -> None:
-        if kind in self._handlers:
-            raise ValueError(f"handler for {kind.name} already registered")
-        self._handlers[kind] = handler
+    def on(self, record_type: type, handler: Handler) -> None:
+        if record_type in self._handlers:
+            raise ValueError(f"handler for {record_type.__name__} already registered")
+        self._handlers[record_type] = handler
 
     def push(self, event: Event) -> None:
         if event.time < self.now:
             raise ValueError(f"{event!r} is in the past (now={self.now:.6f})")
-        heapq.heappush(self._heap, (event.time, int(event.kind), event.key, self._seq, event))
+        rec = event.record
+        heapq.heappush(self._heap, (event.time, int(rec.KIND), rec.key, self._seq, event))
         self._seq += 1
 
     def extend(self, events: Iterable[Event] | None) -> None:
@@ -83,15 +96,18 @@ class EventLoop:
         handled = 0
         heap = self._heap
         handlers = self._handlers
+        log = self.log
         while heap and heap[0][0] <= until_s:
             if max_events is not None and handled >= max_events:
                 break
             time, _, _, _, event = heapq.heappop(heap)
             self.now = time
             try:
-                handler = handlers[event.kind]
+                handler = handlers[type(event.record)]
             except KeyError:
-                raise RuntimeError(f"no handler for {event.kind.name}") from None
+                raise RuntimeError(f"no handler for {type(event.record).__name__}") from None
+            if log is not None:
+                log.write(time, event.record)
             out = handler(event)
             if out:
                 for ev in out:

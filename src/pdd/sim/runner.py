@@ -28,17 +28,16 @@ def make_stream(scenario: Scenario):
     return AgenticStream(w) if isinstance(w, AgenticWorkload) else TraceStream(w)
 
 
-def run_mode(scenario: Scenario, mode: ModeSpec) -> tuple[dict, list, float]:
-    """Simulate one mode; returns (summary entry, records, simulated seconds)."""
-    stream = make_stream(scenario)
-    cluster = Cluster(mode, scenario, stream)
+def run_mode(scenario: Scenario, mode: ModeSpec, event_log=None) -> tuple[dict, list, float]:
+    """Simulate one mode; returns (summary entry, records, simulated seconds).
+    `event_log` (`pdd.sim.events.EventLog`) receives every event of the run."""
     st = scenario.settings
     duration = scenario.workload.duration_s
     if math.isinf(duration):
-        specs = stream.initial()
+        specs = make_stream(scenario).initial()
         duration = max((s.arrival_s for s in specs), default=0.0)
-        stream = make_stream(scenario)
-        cluster = Cluster(mode, scenario, stream)
+    cluster = Cluster(mode, scenario, make_stream(scenario),
+                      event_log.for_mode(mode.name) if event_log is not None else None)
     t0 = time.perf_counter()
     reqs = cluster.run(duration + st.drain_s)
     wall = time.perf_counter() - t0
@@ -73,12 +72,13 @@ def _stats(cluster: Cluster, records: list, wall_s: float) -> dict:
     }
 
 
-def simulate(scenario: Scenario, out_dir: Path | None = None, write_records: bool = False) -> dict:
+def simulate(scenario: Scenario, out_dir: Path | None = None, write_records: bool = False,
+             event_log=None) -> dict:
     t0 = time.perf_counter()
     summary: dict = {"modes": {}}
     simulated = 0.0
     for mode in scenario.modes:
-        entry, recs, sim_s = run_mode(scenario, mode)
+        entry, recs, sim_s = run_mode(scenario, mode, event_log)
         summary["modes"][mode.name] = entry
         simulated = max(simulated, sim_s)
         if out_dir is not None and write_records:

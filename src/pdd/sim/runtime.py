@@ -37,21 +37,25 @@ class RuntimeMode:
 
 
 def run_runtime_mode(m: RuntimeMode, workload: Workload, sla: Sla, calibration=None,
-                     opts: RuntimeOptions = RuntimeOptions()) -> tuple[dict, list, float]:
-    """(summary entry, records in workload order, simulated seconds) of one deployment."""
+                     opts: RuntimeOptions = RuntimeOptions(),
+                     event_log=None) -> tuple[dict, list, float]:
+    """(summary entry, records in workload order, simulated seconds) of one
+    deployment; `event_log` (`pdd.sim.events.EventLog`) receives its events."""
     spec = load_spec(m.config_path, m.overrides)
-    entry, records, now = run_runtime_spec(spec, m.name, workload, sla, calibration, opts, m.run)
+    entry, records, now = run_runtime_spec(spec, m.name, workload, sla, calibration, opts, m.run,
+                                           event_log)
     entry.update({"config": m.config_path, "overrides": m.overrides})
     return entry, records, now
 
 
 def run_runtime_spec(spec, name: str, workload: Workload, sla: Sla, calibration=None,
                      opts: RuntimeOptions = RuntimeOptions(),
-                     run: str | None = None) -> tuple[dict, list, float]:
+                     run: str | None = None, event_log=None) -> tuple[dict, list, float]:
     """`run_runtime_mode` for a DeploymentSpec already in memory (`pdd plan`)."""
     mode = mode_from_spec(spec, name, calibration, opts, run=run)
     scenario = Scenario(model_shape(spec), None, sla, (mode,), SimSettings(drain_s=HORIZON_S))
-    cluster = Cluster(mode, scenario, BenchStream(workload, block_size(spec)))
+    cluster = Cluster(mode, scenario, BenchStream(workload, block_size(spec)),
+                      event_log.for_mode(name) if event_log is not None else None)
     t0 = time.perf_counter()
     reqs = cluster.run(HORIZON_S)
     wall = time.perf_counter() - t0
@@ -65,14 +69,15 @@ def run_runtime_spec(spec, name: str, workload: Workload, sla: Sla, calibration=
 
 def simulate_deployments(modes: list[RuntimeMode], workload: Workload, sla: Sla,
                          out: Path | None = None, calibration=None,
-                         opts: RuntimeOptions = RuntimeOptions(), plots: bool = True) -> dict:
+                         opts: RuntimeOptions = RuntimeOptions(), plots: bool = True,
+                         event_log=None) -> dict:
     t0 = time.perf_counter()
     summary: dict = {"workload": workload.describe(),
                      "sla": {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s}, "modes": {}}
     all_records = {}
     simulated = 0.0
     for m in modes:
-        entry, records, sim_s = run_runtime_mode(m, workload, sla, calibration, opts)
+        entry, records, sim_s = run_runtime_mode(m, workload, sla, calibration, opts, event_log)
         summary["modes"][m.name] = entry
         all_records[m.name] = records
         simulated = max(simulated, sim_s)

@@ -14,18 +14,41 @@ lock), the link's estimator is fed the transfer as the router's is fed the
 real ones, and P frees the prompt's blocks once every transfer out of it
 has ended (the lifecycle's `ReleaseP`). A cancelled copy ends as the real
 P reports it: a failed transfer.
+
+Each step of a flow's life that takes time is an event record
+(`pdd.sim.events`) naming the flow by id (`<request>/<kind>/<receiver>`):
+BEGIN reaches the receiver (`BeginArrives`), HAVE the sender
+(`HaveArrives`), the bytes end on the link (`TransferDone`), a streamed
+flow's tail after the prefill (`FlowTailArrives`); a failed start
+(`CopyFailed`), a cancel (`CancelTaken`), a cut line (`LinkCut`,
+`LinkRestored`).
 """
 
 from __future__ import annotations
 
 from pdd.policy import Role, wait_for_siblings
 from pdd.policy.lifecycle_io import TransferEnded
+from pdd.sim.events import (
+    BeginArrives, CancelTaken, CopyFailed, FlowTailArrives, HaveArrives, LinkCut, LinkRestored,
+    TransferDone,
+)
 from pdd.sim.instance import SimInstance
-from pdd.sim.loop import Event, EventKind
+from pdd.sim.loop import Event
 from pdd.sim.request import SimRequest
 
 
 class TransfersMixin:
+    def _register_transfer_events(self) -> None:
+        on = self.loop.on
+        on(TransferDone, self._on_transfer_done)
+        on(BeginArrives, self._on_begin_arrives)
+        on(HaveArrives, self._on_have_arrives)
+        on(FlowTailArrives, self._on_flow_tail_arrives)
+        on(CopyFailed, self._on_copy_failed)
+        on(CancelTaken, self._on_cancel_taken)
+        on(LinkCut, self._on_link_cut)
+        on(LinkRestored, self._on_link_restored)
+
     def _transfer(self, req: SimRequest, kind: str, src: SimInstance, dst: SimInstance,
                   now: float, blocks: int | None = None, background: bool = False) -> list[Event]:
         """Send the KV of the prompt's first `blocks` blocks (all by default)
@@ -34,56 +57,68 @@ class TransfersMixin:
         name = self._link_name(src.datacenter, dst.datacenter)
         link = self.links[name]
         if not link.up:         # the connection attempt fails after a round trip
-            return [self._later(link.rtt_s, name, lambda t: self._copy_failed(req, dst.instance_id, t, f"{name} down"))]
+            return [self._later(link.rtt_s, CopyFailed(name, req.spec.request_id, dst.instance_id,
+                                                       f"{name} down"))]
         flow_id = f"{req.spec.request_id}/{kind}/{dst.instance_id}"
-        # Its size is known at HAVE time (set in `join`).
+        # Its size is known at HAVE time (set in `_on_have_arrives`).
         self.flows[flow_id] = (req, kind, dst.instance_id, now, None, name)
         self.flow_steps[flow_id] = dst.num_steps
+        return [self._later(link.rtt_s / 2, BeginArrives(name, flow_id, now, blocks, background))]
 
-        def join(t: float) -> list[Event]:
-            if flow_id not in self.flows:
-                return []       # cancelled during the handshake
-            self.flow_handshake[flow_id] = t - now
-            nb = self._lacking_bytes(req, dst, blocks)     # the receiver's HAVE, as of now
-            entry = self.flows[flow_id]
-            self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
-            cap = None
-            if req.prefill_done_s is None and req.kv_made_by_s is not None and nb > 0:
-                # Streamed layer by layer while P computes: paced by P, the
-                # rest of the line left to the other transfers.
-                cap = nb / max(req.kv_made_by_s - t, 1e-3)
-            nxt = link.add(t, flow_id, nb, background, cap_bytes_s=cap)
-            return [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
-
-        def have(t: float) -> list[Event]:     # BEGIN reached the receiver
-            if flow_id not in self.flows:
-                return []
-            back = lambda t2: [self._later(link.rtt_s / 2, name, join)]
-            siblings = self._siblings_bringing(flow_id, req, dst, blocks)
+    def _on_begin_arrives(self, ev: Event) -> list[Event]:
+        """BEGIN reached the receiver: it answers HAVE, once the transfers
+        bringing blocks this one lacks have ended and, with `import_wait`,
+        at a busy engine's next step boundary."""
+        msg, t = ev.record, ev.time
+        flow_id = msg.flow_id
+        if flow_id not in self.flows:
+            return []       # cancelled meanwhile
+        req, _, dst_id = self.flows[flow_id][:3]
+        dst, link = self.instances[dst_id], self.links[msg.link]
+        have = HaveArrives(msg.link, flow_id, msg.started_s, msg.blocks, msg.background)
+        back = lambda _t: [self._later(link.rtt_s / 2, have)]
+        siblings = self._siblings_bringing(flow_id, req, dst, msg.blocks)
+        if siblings:
             promoted = []
-            if siblings:
-                # A transfer waits on them: they stop yielding (the servers'
-                # senders do the same for copies that bring its blocks).
-                for sib in siblings:
-                    nxt = link.promote(t, sib) if sib in link.flows else None
-                    if nxt:
-                        promoted.append(Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1]))
-            if siblings:
-                # As the receiver: HAVE only once those transfers have ended.
-                left = [len(siblings)]
+            # A transfer waits on them: they stop yielding (the servers'
+            # senders do the same for copies that bring its blocks).
+            for sib in siblings:
+                nxt = link.promote(t, sib) if sib in link.flows else None
+                if nxt:
+                    promoted.append(Event(nxt[0], TransferDone(msg.link, nxt[1])))
+            # As the receiver: HAVE only once those transfers have ended.
+            left = [len(siblings)]
 
-                def one_ended(t2: float) -> list[Event]:
-                    left[0] -= 1
-                    return back(t2) if left[0] == 0 and flow_id in self.flows else []
-                for sib in siblings:
-                    self.flow_waiters.setdefault(sib, []).append(one_ended)
-                return promoted
-            self.flow_begun.add(flow_id)       # its blocks now count as on their way
-            if self.import_wait not in ("batch", "block") or not dst.busy:
-                return back(t)
-            dst.wait_boundaries(1, back)
-            return self._kick(dst, t)          # busy: a macro step ends at the next boundary
-        return [self._later(link.rtt_s / 2, name, have)]
+            def one_ended(t2: float) -> list[Event]:
+                left[0] -= 1
+                return back(t2) if left[0] == 0 and flow_id in self.flows else []
+            for sib in siblings:
+                self.flow_waiters.setdefault(sib, []).append(one_ended)
+            return promoted
+        self.flow_begun.add(flow_id)       # its blocks now count as on their way
+        if self.import_wait not in ("batch", "block") or not dst.busy:
+            return back(t)
+        dst.wait_boundaries(1, back)
+        return self._kick(dst, t)          # busy: a macro step ends at the next boundary
+
+    def _on_have_arrives(self, ev: Event) -> list[Event]:
+        """HAVE reached the sender: what the receiver lacked then joins the link."""
+        msg, t = ev.record, ev.time
+        flow_id = msg.flow_id
+        if flow_id not in self.flows:
+            return []       # cancelled during the handshake
+        entry = self.flows[flow_id]
+        req, dst = entry[0], self.instances[entry[2]]
+        self.flow_handshake[flow_id] = t - msg.started_s
+        nb = self._lacking_bytes(req, dst, msg.blocks)     # the receiver's HAVE, as of now
+        self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
+        cap = None
+        if req.prefill_done_s is None and req.kv_made_by_s is not None and nb > 0:
+            # Streamed layer by layer while P computes: paced by P, the
+            # rest of the line left to the other transfers.
+            cap = nb / max(req.kv_made_by_s - t, 1e-3)
+        nxt = self.links[msg.link].add(t, flow_id, nb, msg.background, cap_bytes_s=cap)
+        return [Event(nxt[0], TransferDone(msg.link, nxt[1]))] if nxt else []
 
     def _flow_blocks(self, req: SimRequest, kind: str, blocks: int | None = None) -> list:
         ids = req.spec.block_ids
@@ -127,17 +162,17 @@ class TransfersMixin:
         return (blocks - held) * self.block_size * self.model.kv_bytes_per_token
 
     def _on_transfer_done(self, ev: Event) -> list[Event]:
-        link = self.links[ev.key]
-        done, nxt = link.complete(ev.time, ev.data)
-        evs = [Event(nxt[0], EventKind.TRANSFER_DONE, ev.key, nxt[1])] if nxt else []
+        name = ev.record.link
+        done, nxt = self.links[name].complete(ev.time, ev.record.version)
+        evs = [Event(nxt[0], TransferDone(name, nxt[1]))] if nxt else []
         for flow in done:
             self.flow_yielded[flow.flow_id] = flow.yielded_s
             req = self.flows[flow.flow_id][0]
             if req.streamed and req.prefill_done_s is None:
                 # Streamed ahead of P: the last chunk's blocks are not computed yet.
-                self.after_prefill.setdefault(req.spec.request_id, []).append((flow, ev.key))
+                self.after_prefill.setdefault(req.spec.request_id, []).append((flow, name))
                 continue
-            evs += self._arrive(flow, ev.key, ev.time)
+            evs += self._arrive(flow.flow_id, flow.num_bytes, name, ev.time)
         return evs
 
     def _tails_after_prefill(self, req: SimRequest, job, now: float) -> list[Event]:
@@ -149,7 +184,7 @@ class TransfersMixin:
             if entry[0] is req and fid in self.links[entry[5]].flows:
                 nxt = self.links[entry[5]].uncap(now, fid)     # P has made all its KV
                 if nxt:
-                    evs.append(Event(nxt[0], EventKind.TRANSFER_DONE, entry[5], nxt[1]))
+                    evs.append(Event(nxt[0], TransferDone(entry[5], nxt[1])))
         for flow, name in self.after_prefill.pop(req.spec.request_id, []):
             if flow.flow_id not in self.flows:
                 continue        # cancelled or cut meanwhile
@@ -157,17 +192,21 @@ class TransfersMixin:
             tail = min(flow.num_bytes, job.last_chunk * self.model.kv_bytes_per_token) / self.kv_layer_slices
             delay = tail / link.bandwidth_bytes_s + link.rtt_s / 2
             self.flow_yielded[flow.flow_id] += now + delay - self.loop.now   # waited for P, not the line
-            evs.append(self._later(delay, name, lambda t, f=flow, n=name: self._arrive(f, n, t)))
+            evs.append(self._later(delay, FlowTailArrives(name, flow.flow_id, flow.num_bytes)))
         return evs
 
-    def _arrive(self, flow, link_name: str, now: float) -> list[Event]:
+    def _on_flow_tail_arrives(self, ev: Event) -> list[Event]:
+        msg = ev.record
+        return self._arrive(msg.flow_id, msg.num_bytes, msg.link, ev.time)
+
+    def _arrive(self, flow_id: str, num_bytes: float, link_name: str, now: float) -> list[Event]:
         """A transfer's last byte is at its receiver."""
         evs: list[Event] = []
-        if flow.flow_id not in self.flows:
+        if flow_id not in self.flows:
             return evs          # cancelled or cut while its tail was on its way
-        dst = self.instances[self.flows[flow.flow_id][2]]
-        landed = self._landed(flow.flow_id, link_name)
-        started = self.flow_steps.get(flow.flow_id, dst.num_steps)
+        dst = self.instances[self.flows[flow_id][2]]
+        landed = self._landed(flow_id, link_name)
+        started = self.flow_steps.get(flow_id, dst.num_steps)
         if self.import_wait in ("batch", "block") and dst.busy:
             if self.import_wait == "batch":
                 # The last batch goes in at the end of the step under way.
@@ -175,7 +214,7 @@ class TransfersMixin:
             else:
                 # One import command per block (plus BEGIN), one per step of a
                 # busy receiver; those that ran while bytes flowed are done.
-                blocks = -(-flow.num_bytes // (self.block_size * self.model.kv_bytes_per_token))
+                blocks = -(-num_bytes // (self.block_size * self.model.kv_bytes_per_token))
                 waits = max(1, int(blocks) + 1 - (dst.num_steps - started))
             dst.wait_boundaries(waits, landed)
             evs += self._kick(dst, now)   # busy: a macro step ends at the next boundary
@@ -216,10 +255,13 @@ class TransfersMixin:
             self.flow_handshake.pop(fid, None)
             self.flow_steps.pop(fid, None)
             nxt = self.links[name].cancel(now, fid)
-            evs += [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
+            evs += [Event(nxt[0], TransferDone(name, nxt[1]))] if nxt else []
             evs += self._flow_ended(fid, now)
-        ended = lambda t: self._feed(req, TransferEnded(t, dst_id, False, "cancelled"))
-        return evs + [self._later(0.0, req.spec.request_id, ended)]
+        return evs + [self._later(0.0, CancelTaken(req.spec.request_id, dst_id))]
+
+    def _on_cancel_taken(self, ev: Event) -> list[Event]:
+        msg = ev.record
+        return self._feed(self.by_id[msg.request_id], TransferEnded(ev.time, msg.dst_id, False, "cancelled"))
 
     def cut_link(self, name: str, at_s: float, restore_s: float) -> None:
         """Cut link `name` ("wan", "rdma-<dc>") from `at_s` to `restore_s`:
@@ -227,25 +269,31 @@ class TransfersMixin:
         live decoders for the lifecycle's failover), copies started meanwhile
         fail after one RTT, and routing sees the line down. Only KV copies
         are modelled: the router's streams to MD stay up."""
-        def cut(now: float) -> list[Event]:
-            link = self.links[name]
-            link.up = False
-            evs: list[Event] = []
-            for fid in [f for f, entry in self.flows.items() if entry[5] == name]:
-                req, _, dst_id = self.flows.pop(fid)[:3]
-                for table in (self.flow_handshake, self.flow_steps, self.flow_yielded):
-                    table.pop(fid, None)
-                nxt = link.cancel(now, fid)
-                evs += [Event(nxt[0], EventKind.TRANSFER_DONE, name, nxt[1])] if nxt else []
-                evs += self._flow_ended(fid, now)
-                evs += self._copy_failed(req, dst_id, now, f"{name} cut")
-            return evs
+        self.loop.push(Event(at_s, LinkCut(name)))
+        self.loop.push(Event(restore_s, LinkRestored(name)))
 
-        def restore(now: float) -> list[Event]:
-            self.links[name].up = True
-            return []
-        self.loop.push(Event(at_s, EventKind.MESSAGE, name, cut))
-        self.loop.push(Event(restore_s, EventKind.MESSAGE, name, restore))
+    def _on_link_cut(self, ev: Event) -> list[Event]:
+        name, now = ev.record.link, ev.time
+        link = self.links[name]
+        link.up = False
+        evs: list[Event] = []
+        for fid in [f for f, entry in self.flows.items() if entry[5] == name]:
+            req, _, dst_id = self.flows.pop(fid)[:3]
+            for table in (self.flow_handshake, self.flow_steps, self.flow_yielded):
+                table.pop(fid, None)
+            nxt = link.cancel(now, fid)
+            evs += [Event(nxt[0], TransferDone(name, nxt[1]))] if nxt else []
+            evs += self._flow_ended(fid, now)
+            evs += self._copy_failed(req, dst_id, now, f"{name} cut")
+        return evs
+
+    def _on_link_restored(self, ev: Event) -> list[Event]:
+        self.links[ev.record.link].up = True
+        return []
+
+    def _on_copy_failed(self, ev: Event) -> list[Event]:
+        msg = ev.record
+        return self._copy_failed(self.by_id[msg.request_id], msg.dst_id, ev.time, msg.error)
 
     def _copy_failed(self, req: SimRequest, dst_id: str, now: float, error: str) -> list[Event]:
         healthy = tuple(i.view() for i in self.instances.values() if i.role in (Role.RELAY, Role.MAIN))

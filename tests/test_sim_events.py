@@ -1,0 +1,179 @@
+"""The simulator's events are typed records that a run can log and compare
+(`pdd.sim.events`, `pdd sim --event-log`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from pdd.measure import agentic
+from pdd.measure.metrics import Sla
+from pdd.measure.workload import Workload, WorkloadRequest
+from pdd.sim import cluster as cluster_mod
+from pdd.sim import events
+from pdd.sim.events import EventLog
+from pdd.sim.runner import simulate
+from pdd.sim.runtime import RuntimeMode, run_runtime_mode
+from pdd.sim.scenario import load
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "sim" / "tiny.toml"
+PDD = ROOT / "examples" / "pdd.toml"
+
+
+def _tiny(seed: int = 3):
+    sc = load([TINY])
+    return dataclasses.replace(sc, workload=dataclasses.replace(sc.workload, duration_s=20.0, seed=seed))
+
+
+def _log_of(scenario) -> tuple[str, dict]:
+    buf = io.StringIO()
+    summary = simulate(scenario, event_log=EventLog(buf))
+    return buf.getvalue(), summary
+
+
+def test_a_run_logs_the_same_events_twice():
+    a, summary = _log_of(_tiny())
+    b, _ = _log_of(_tiny())
+    assert a == b
+    lines = [json.loads(line) for line in a.splitlines()]
+    # Every processed event of every mode, in order, and nothing else.
+    for name, m in summary["modes"].items():
+        assert sum(1 for e in lines if e["mode"] == name) == m["sim"]["num_events"] > 100
+    assert [e["t"] for e in lines if e["mode"] == "pdd"] == sorted(e["t"] for e in lines if e["mode"] == "pdd")
+    # ... and the log tells runs apart: another workload seed, another log.
+    c, _ = _log_of(_tiny(seed=4))
+    assert c != a
+
+
+class StrictLog:
+    """An `EventLog` that refuses any event not a frozen record of plain values."""
+
+    def __init__(self) -> None:
+        self.log = EventLog(io.StringIO())
+        self.types: set[str] = set()
+        self.n = 0
+
+    def for_mode(self, mode: str) -> StrictLog:
+        return self
+
+    def write(self, time: float, record) -> None:
+        cls = type(record)
+        assert cls.__module__ == "pdd.sim.events", cls
+        assert dataclasses.is_dataclass(record) and cls.__dataclass_params__.frozen, cls
+        for f in dataclasses.fields(record):
+            v = getattr(record, f.name)
+            assert v is None or type(v) in (str, int, float, bool), (cls.__name__, f.name, v)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(record, dataclasses.fields(record)[0].name, None)
+        self.log.write(time, record)
+        line = json.loads(self.log.out.getvalue().splitlines()[-1])
+        assert line == {"t": time, "kind": record.KIND.name, "type": cls.__name__,
+                        **{f.name: getattr(record, f.name) for f in dataclasses.fields(record)}}
+        self.log.out.seek(0)
+        self.log.out.truncate()
+        self.types.add(cls.__name__)
+        self.n += 1
+
+
+def test_every_event_of_the_example_pdd_deployment_is_a_plain_record(monkeypatch):
+    run = cluster_mod.Cluster.run
+
+    def run_with_cuts(self, until_s):          # also the failure records
+        self.cut_link("wan", 3.0, 6.0)
+        self.cut_link("wan", 20.0, 20.5)
+        return run(self, until_s)
+    monkeypatch.setattr(cluster_mod.Cluster, "run", run_with_cuts)
+    wl = agentic.generate(dataclasses.replace(agentic.PRESETS["quick"], num_requests=30))
+    log = StrictLog()
+    entry, records, _ = run_runtime_mode(RuntimeMode("pdd", str(PDD)), wl, Sla(10.0, 1.0), event_log=log)
+    assert log.n == entry["sim"]["num_events"]
+    assert {"Arrival", "CoreDone", "TransferDone", "BeginArrives", "HaveArrives", "FlowTailArrives",
+            "MdReadyReachesRld", "ExtendReachesMd", "LinkCut", "LinkRestored"} <= log.types
+    assert any(r.pipeline == "relay" for r in records)
+    # Every record type the simulator defines is a frozen dataclass.
+    for obj in vars(events).values():
+        if isinstance(obj, type) and hasattr(obj, "KIND"):
+            assert obj.__dataclass_params__.frozen, obj
+
+
+def _own_cores_pdd(tmp_path: Path) -> Path:
+    """examples/pdd.toml with MD on a core of its own (its steps are StepEnd
+    events of its own) and the catch-up handoff forced."""
+    text = PDD.read_text()
+    i = text.index('name = "md0"')
+    text = text[:i] + text[i:].replace("cpu = 1", "cpu = 2", 1)
+    text = text.replace('handoff_mode = "auto"', 'handoff_mode = "catch_up"')
+    path = tmp_path / "pdd.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_log_of_one_relayed_request_tells_its_story(tmp_path):
+    rng = random.Random(1)
+    prompt = [rng.randrange(100, 40000) for _ in range(1536)]
+    wl = Workload("one", [WorkloadRequest("r1", 0.0, prompt, 200)], block_size=16)
+    buf = io.StringIO()
+    _, records, _ = run_runtime_mode(RuntimeMode("pdd", str(_own_cores_pdd(tmp_path))), wl, Sla(10.0, 1.0),
+                                     event_log=EventLog(buf))
+    (rec,) = records
+    assert (rec.pipeline, rec.handoff_mode, rec.failed) == ("relay", "catch_up", False)
+    log = [json.loads(line) for line in buf.getvalue().splitlines()]
+    types = [e["type"] for e in log]
+
+    def at(type_: str, **fields) -> list[int]:
+        return [i for i, e in enumerate(log) if e["type"] == type_
+                and all(e.get(k) == v for k, v in fields.items())]
+
+    def steps(iid: str) -> list[int]:
+        return at("StepEnd", instance_id=iid)
+
+    assert types[0] == "Arrival" and log[0]["request_id"] == "r1"
+    # P's two copies: to RLD over the local RDMA line, to MD over the WAN,
+    # yielding the line (a relay's copy is background); each a BEGIN, a
+    # HAVE, and, streamed while P computes, a tail after the prefill.
+    (b_rld,), (h_rld,), (t_rld,) = (at(t, flow_id="r1/rld/rld0", link="rdma-A")
+                                    for t in ("BeginArrives", "HaveArrives", "FlowTailArrives"))
+    (b_md,), (h_md,), (t_md,) = (at(t, flow_id="r1/md/md0", link="wan")
+                                 for t in ("BeginArrives", "HaveArrives", "FlowTailArrives"))
+    assert b_rld < h_rld < t_rld and b_md < h_md < t_md
+    assert log[b_md]["background"] and not log[b_rld]["background"]
+    assert steps("p0") and max(steps("p0")) < t_rld        # the prefill is over before the tails
+    # MD holds the KV: RLD hears it; the handoff's batches go to MD as
+    # extends that continue one another from the prompt's end; RLD hears
+    # of each but the final one, after which MD decodes the rest alone.
+    (ready,) = at("MdReadyReachesRld", request_id="r1", md_id="md0", to_id="rld0")
+    assert t_md < ready
+    extends = at("ExtendReachesMd", request_id="r1", to_id="md0")
+    assert len(extends) >= 2 and ready < extends[0]
+    assert [log[i]["final"] for i in extends] == [False] * (len(extends) - 1) + [True]
+    ctx = 1536
+    for i in extends:
+        assert log[i]["ctx_start"] == ctx
+        ctx += log[i]["num_tokens"]
+        assert log[i]["end"] == ctx - 1536
+    heard = at("ExtendedReachesRld", request_id="r1", to_id="rld0")
+    assert [log[i]["end"] for i in heard] == [log[i]["end"] for i in extends[:-1]]
+    for ext, back in zip(extends, heard):
+        assert ext < min(s for s in steps("md0") if s > ext) < back    # MD ran the batch, then said so
+    # RLD made the tokens up to the handoff, MD the rest, and nothing after.
+    assert any(t_rld < s < extends[-1] for s in steps("rld0"))
+    assert not any(s > extends[-1] for s in steps("rld0"))
+    assert len([s for s in steps("md0") if s > extends[-1]]) >= 2
+    assert types[-1] == "StepEnd" and log[-1]["instance_id"] == "md0"
+    assert not any(t in types for t in ("CopyFailed", "CancelTaken", "LinkCut"))
+
+
+def test_pdd_sim_event_log_flag(tmp_path):
+    from pdd.cli import main
+
+    out = tmp_path / "events.jsonl"
+    assert main(["sim", "-c", str(TINY), "--duration", "10", "--no-plots", "--event-log", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {e["mode"] for e in lines} == {"pdd", "naive-xdc", "colocated"}
+    assert lines[0]["type"] == "Arrival"
