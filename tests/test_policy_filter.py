@@ -74,7 +74,7 @@ def test_filter_class():
     assert not in_filter_class(long_doc, 0, PolicyConfig(enable_filter=False))
 
 
-def test_share_budget_window_and_convert():
+def test_share_budget_window_and_settle():
     from pdd.policy import ShareBudget
 
     b = ShareBudget(max_share=0.25, window=8)       # no loan: the share from the first decision
@@ -88,12 +88,18 @@ def test_share_budget_window_and_convert():
     for _ in range(3):
         b.note(0, 1)
     assert b.allows(1, 1)            # 2 of 8
+    entry = b.note(0, 1)
     b.note(0, 1)
-    b.convert()                      # a counted request became RLD-only
+    ShareBudget.settle(entry, 1)     # a counted request became RLD-only (not the newest)
     assert b.part == 2 and not b.allows(1, 1)
+    b.note(0, 1)
     for _ in range(8):
         b.note(0, 1)                 # the window forgets
     assert b.part == 0 and b.allows(2, 1) and not b.allows(3, 1)    # 3 of 9 > 25%
+    ShareBudget.settle(entry, 1)     # forgotten: counts nowhere
+    assert b.part == 0
+    ShareBudget.settle(b.note(5, 8), 20)
+    assert b.part == 8               # never more than its whole
     assert not ShareBudget(0.0, 4).allows(1, 1) and ShareBudget(0.0, 4).allows(0, 1)
     with pytest.raises(ValueError):
         ShareBudget(1.5, 4)

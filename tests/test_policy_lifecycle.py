@@ -192,6 +192,42 @@ def test_live_filter_cancels_the_wan_copy_when_rld_ends_first():
     assert out[-1] == Finish(Outcome.RELAY_CANCELLED, FinishReason.LENGTH)
 
 
+def test_the_relay_budgets_count_what_rld_really_emitted_once_a_request_ends():
+    from dataclasses import replace
+
+    from pdd.policy import RelayBudgets
+    budgets = RelayBudgets(CFG)
+    facts = RequestFacts("req", 4096, 20, 1000, 16)
+    # A relay predicted to leave 2 of its 20 tokens on RLD; the copy takes
+    # longer and RLD emits 12 before MD takes over.
+    lc = RequestLifecycle(facts, replace(RELAY, rld_tokens=2), CFG, budgets)
+    lc.start(0.0)
+    assert (budgets.tokens.part, budgets.tokens.whole, budgets.requests.part) == (2, 20, 0)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 12)
+    assert budgets.tokens.part == 2                  # still the prediction while it runs
+    lc.handle(TransferEnded(3.0, "m0", True))
+    assert of(lc.handle(KvReady(3.1, rld_view())), PauseRld) == [PauseRld("r0")]   # one-shot at 12
+    md_tokens(lc, 12, 20)
+    lc.handle(DecodeEnded(5.0, Leg.MD, EndReason.LENGTH))
+    assert lc.done is not None and lc.rld_emitted == 12
+    assert budgets.tokens.part == 12                 # what RLD really did
+    # The live filter turns a relay into RLD-only: all of it while it runs,
+    # then what RLD emitted (the answer may end before its bound).
+    d = decision(Pipeline.RELAY, est=10.0, filterable=True)
+    lc = RequestLifecycle(RequestFacts("req2", 4096, 4, 1000, 16), replace(d, rld_tokens=1), CFG, budgets)
+    lc.start(0.0)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 1)
+    assert lc.outcome is Outcome.RELAY_CANCELLED
+    assert (budgets.requests.part, budgets.tokens.part) == (1, 12 + 4)
+    rld_tokens(lc, 1, 3)
+    lc.handle(DecodeEnded(2.0, Leg.RLD, EndReason.STOP))
+    assert (budgets.requests.part, budgets.tokens.part) == (1, 12 + 3)
+
+
 def test_live_filter_leaves_other_relays_alone():
     lc, _ = started(decision(Pipeline.RELAY, est=10.0, filterable=False), max_tokens=4)
     lc.handle(Prefilled(0.5, ref(0)))

@@ -22,7 +22,7 @@ import pdd.sim.cluster as cluster_mod
 import pdd.sim.lifecycle_driver as driver_mod
 from pdd.measure import agentic
 from pdd.measure.metrics import Sla
-from pdd.policy import RelayBudgets, note_decision
+from pdd.policy import RelayBudgets
 from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.lifecycle_log import decision_log, entry
 from pdd.sim.runtime import RuntimeMode, run_runtime_mode
@@ -65,10 +65,6 @@ def record_run(monkeypatch, preset: str, num_requests: int = 100, cuts=()):
             calls.append(("handle", self.req.request_id, fact, cmds))
             return cmds
 
-    def note(budgets, d, facts):
-        calls.append(("note", d, facts))
-        return note_decision(budgets, d, facts)
-
     run = cluster_mod.Cluster.run
 
     def run_with_cuts(self, until_s):
@@ -76,7 +72,6 @@ def record_run(monkeypatch, preset: str, num_requests: int = 100, cuts=()):
             self.cut_link("wan", at_s, restore_s)
         return run(self, until_s)
     monkeypatch.setattr(driver_mod, "RequestLifecycle", Recording)
-    monkeypatch.setattr(cluster_mod, "note_decision", note)
     monkeypatch.setattr(cluster_mod.Cluster, "run", run_with_cuts)
     wl = agentic.generate(dataclasses.replace(agentic.PRESETS[preset], num_requests=num_requests))
     entry_, records, _ = run_runtime_mode(RuntimeMode("pdd", str(EXAMPLES / "pdd.toml")), wl, Sla(10.0, 1.0))
@@ -90,9 +85,7 @@ def test_simulated_commands_equal_a_replay_of_its_facts(runs, name):
     budgets, lcs, words = RelayBudgets(cfg), {}, {}
     num_facts = 0
     for c in calls:
-        if c[0] == "note":
-            note_decision(budgets, c[1], c[2])
-        elif c[0] == "new":
+        if c[0] == "new":
             _, req, d, _, warm = c
             lcs[req.request_id] = RequestLifecycle(req, d, cfg, budgets, warm)
             words[req.request_id] = []

@@ -17,7 +17,7 @@ from pdd.policy.lifecycle import RequestLifecycle, pick_spare
 from pdd.policy.lifecycle_io import Outcome
 from pdd.policy.link_estimator import EstimatorConfig, LinkEstimator
 from pdd.policy.pipeline import (
-    NoRouteError, Pipeline, PipelineDecision, cancel_wan, choose_pipeline, convert_to_relay_only,
+    NoRouteError, Pipeline, PipelineDecision, cancel_wan, choose_pipeline, BudgetEntries,
     copy_yields_line, keep_wan_copy, note_decision, plan_warm,
 )
 from pdd.policy.rld_loss import RldLossAction, RldLossFacts, on_rld_lost, stalled
@@ -29,7 +29,7 @@ __all__ = [
     "HandoffMode", "HandoffOverride", "HandoffSession", "HandoffState", "InstanceView",
     "LinkEstimate", "LinkEstimator", "NoRouteError", "Outcome", "RequestLifecycle", "Pipeline", "PipelineDecision", "RldLossAction", "RldLossFacts",
     "PolicyConfig", "PrefixReuseCounter", "RelayBudgets", "RequestFacts", "Role", "SendBatch",
-    "ShareBudget", "cancel_wan", "choose_handoff_mode", "choose_pipeline", "convert_to_relay_only",
+    "ShareBudget", "cancel_wan", "choose_handoff_mode", "choose_pipeline", "BudgetEntries",
     "copy_yields_line",
     "in_filter_class", "keep_wan_copy", "new_session", "note_decision", "on_rld_lost", "pick_instance", "pick_spare", "plan_warm",
     "predict_abnormal", "score_instance", "should_cancel_wan", "stalled", "wait_for_siblings", "warm_after_skip",

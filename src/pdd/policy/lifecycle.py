@@ -38,7 +38,7 @@ from pdd.policy.lifecycle_io import (
 )
 from pdd.policy.lifecycle_recovery import RecoveryRules, _Failed, pick_spare
 from pdd.policy.pipeline import (
-    Pipeline, PipelineDecision, cancel_wan, convert_to_relay_only, copy_yields_line, keep_wan_copy,
+    Pipeline, PipelineDecision, cancel_wan, copy_yields_line, keep_wan_copy, note_decision,
 )
 from pdd.policy.views import InstanceView, RequestFacts, Role
 
@@ -54,6 +54,10 @@ class RequestLifecycle(RecoveryRules):
     def __init__(self, req: RequestFacts, decision: PipelineDecision, cfg: PolicyConfig,
                  budgets: RelayBudgets | None = None, warm_blocks: int = 0) -> None:
         self.req, self.d, self.cfg, self.budgets = req, decision, cfg, budgets
+        # The decision counts in the relay budgets from now on: as predicted
+        # while the request runs, as it went once it has ended.
+        self.budget = note_decision(budgets, decision, req) if budgets is not None else None
+        self.rld_emitted = 0                       # the user's tokens RLD produced
         direct = decision.pipeline is Pipeline.DIRECT
         self.p_id = decision.p_id
         self.rld_id = decision.rld_id if decision.rld_id and not direct else None
@@ -298,8 +302,8 @@ class RequestLifecycle(RecoveryRules):
             return
         elapsed = now - self.wan_started_s
         if cancel_wan(self.d, self.budgets, now, elapsed, left, rld, self.cfg):
-            if self.budgets is not None:
-                convert_to_relay_only(self.budgets)
+            if self.budget is not None:
+                self.budget.relay_only()
             self.outcome = Outcome.RELAY_CANCELLED
             self._note("filter_cancel", tokens_left=left, remaining_wan_s=remaining_wan_s(self.d, elapsed))
             self._drop_md("abnormal traffic: RLD finishes first")
@@ -399,6 +403,7 @@ class RequestLifecycle(RecoveryRules):
     # --- output ----------------------------------------------------------------------
     def _emit(self, token: int, source: Leg) -> None:
         self.tokens.append(token)
+        self.rld_emitted += source is Leg.RLD
         self._out.append(Emit(token, source, len(self.tokens) - 1))
 
     def _note(self, event: str, **fields) -> None:
@@ -414,6 +419,8 @@ class RequestLifecycle(RecoveryRules):
 
     def _finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.done = Finish(self.outcome, reason, error)
+        if self.budget is not None:
+            self.budget.ended(self.rld_emitted)
         self._out.append(self.done)
 
     def _drain(self) -> list[Command]:

@@ -46,7 +46,7 @@ from enum import Enum
 
 from pdd.policy.config import PolicyConfig
 from pdd.policy.filter import (
-    PrefixReuseCounter, RelayBudgets, in_filter_class, predict_abnormal, should_cancel_wan,
+    PrefixReuseCounter, RelayBudgets, ShareBudget, in_filter_class, predict_abnormal, should_cancel_wan,
     warm_after_skip,
 )
 from pdd.policy.routing import pick_instance
@@ -208,10 +208,28 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
                             f"wan {wait:.3f}s > {cfg.direct_max_wan_s}s", filterable, eager, wait_s=copy_wait)
 
 
-def note_decision(budgets: RelayBudgets, d: PipelineDecision, req: RequestFacts) -> None:
-    """Count a routing decision in the relay budgets (router and simulator alike)."""
-    budgets.requests.note(1 if d.relay_only_by_choice else 0, 1)
-    budgets.tokens.note(d.rld_tokens, req.max_tokens)
+@dataclass(frozen=True)
+class BudgetEntries:
+    """One decision's entries in the relay budgets, settled as it goes."""
+    requests: list[float]
+    tokens: list[float]
+
+    def relay_only(self) -> None:
+        """The live filter cancelled the request's WAN copy: it counts as
+        RLD-only, all of its tokens RLD's (until it ends)."""
+        ShareBudget.settle(self.requests, self.requests[1])
+        ShareBudget.settle(self.tokens, self.tokens[1])
+
+    def ended(self, rld_tokens: int) -> None:
+        """The request has ended: RLD's tokens are known, not predicted."""
+        ShareBudget.settle(self.tokens, rld_tokens)
+
+
+def note_decision(budgets: RelayBudgets, d: PipelineDecision, req: RequestFacts) -> BudgetEntries:
+    """Count a routing decision in the relay budgets (router and simulator
+    alike, through `RequestLifecycle`, which settles the entries)."""
+    return BudgetEntries(budgets.requests.note(1 if d.relay_only_by_choice else 0, 1),
+                         budgets.tokens.note(d.rld_tokens, req.max_tokens))
 
 
 def cancel_wan(d: PipelineDecision, budgets: RelayBudgets | None, now: float, wan_elapsed_s: float,
@@ -220,18 +238,11 @@ def cancel_wan(d: PipelineDecision, budgets: RelayBudgets | None, now: float, wa
     cancel it when the request is of the filter's class, the RLD-only budget
     has room, and RLD will end first (`should_cancel_wan`) by the routing
     estimate less the time the copy has already had. The caller then calls
-    `convert_to_relay_only`."""
+    `BudgetEntries.relay_only`."""
     if not d.filterable or (budgets is not None and not budgets.requests.allows(1, 1)):
         return False
     remaining = max(0.0, d.wait_s - max(wan_elapsed_s, 0.0))
     return should_cancel_wan(now, max(tokens_left, 0), remaining, rld_tpot_s(rld, cfg), cfg)
-
-
-def convert_to_relay_only(budgets: RelayBudgets) -> None:
-    """The live filter cancelled a relayed request's WAN copy: it counts as
-    RLD-only, all of its tokens RLD's."""
-    budgets.requests.convert()
-    budgets.tokens.convert()
 
 
 def keep_wan_copy(d: PipelineDecision) -> bool:

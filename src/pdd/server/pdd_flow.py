@@ -4,7 +4,7 @@ The lifecycle (pure, in `pdd.policy.lifecycle`) holds every rule of a PDD
 request after routing: eager tokens, the extend handoff, the live filter,
 the warm push, failover, RLD or MD lost. This module only moves bytes:
 
-    decide (policy.choose_pipeline, note_decision, plan_warm) -> RequestLifecycle
+    decide (policy.choose_pipeline, plan_warm) -> RequestLifecycle (counts it in the budgets)
     loop: next NDJSON event (P, RLD, MD) or a stall -> one fact -> commands
           -> HTTP calls (open a decode, send / cancel / release, extend, abort),
              tokens to the user, trace events
@@ -25,7 +25,7 @@ import time
 from typing import AsyncIterator
 
 from pdd.deploy.spec import Role
-from pdd.policy import PipelineDecision, RequestFacts, choose_pipeline, note_decision, plan_warm, stalled
+from pdd.policy import PipelineDecision, RequestFacts, choose_pipeline, plan_warm, stalled
 from pdd.policy import lifecycle_io as io
 from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.lifecycle_log import DecisionLog
@@ -64,7 +64,6 @@ class PddRun:
                  if m.view.role.value in ("prefill", "main", "relay")]
         matched = await c.matched_tokens(names, ctx.prompt_ids)
         d = choose_pipeline(facts, c.view(matched, time.monotonic()), c.policy, c.relay_budgets)
-        note_decision(c.relay_budgets, d, facts)
         self.decision = d
         ctx.trace.pipeline, ctx.trace.pipeline_reason = io.Outcome.of(d).value, d.reason
         ctx.trace.event("pipeline", pipeline=d.pipeline.value, reason=d.reason,

@@ -42,7 +42,7 @@ import zlib
 
 from pdd.policy import (
     ClusterView, LinkEstimator, NoRouteError, PrefixReuseCounter, RelayBudgets, RequestFacts,
-    Role, choose_pipeline, note_decision, pick_instance, plan_warm,
+    Role, choose_pipeline, pick_instance, plan_warm,
 )
 from pdd.policy.lifecycle_io import Prefilled
 from pdd.sim.cost_model import CostModel
@@ -273,7 +273,6 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
             d = choose_pipeline(facts, view, self.cfg, self.relay_budgets)
         except NoRouteError as e:
             return self._finish(req, now, error=str(e))
-        note_decision(self.relay_budgets, d, facts)
         self._plan_warm(req, d, matched)
         return self._begin(req, d, matched.get(d.p_id, 0), now)
 
