@@ -117,6 +117,39 @@ def test_background_copies_take_turns_fewest_blocks_left_first():
     asyncio.run(main())
 
 
+def test_a_released_slice_wakes_only_the_copy_whose_turn_it_is():
+    # 30 copies queued: each slice's release must wake the next copy, not all
+    # 30 to find out that 29 may not write (on P's core, O(copies) task
+    # switches per 64 KB slice).
+    class Counting(LineGate):
+        checks = 0
+
+        def _may_write(self, line, key):
+            Counting.checks += 1
+            return super()._may_write(line, key)
+
+    async def main():
+        gate, slices = Counting(), 0
+
+        async def copy(key):
+            nonlocal slices
+            for left in range(4, 0, -1):
+                await gate.turn("wan", key, left * 100 + key)
+                slices += 1
+                await asyncio.sleep(0)
+                gate.release("wan", key)
+        gate.enter("wan")
+        tasks = [asyncio.ensure_future(copy(k)) for k in range(30)]
+        await asyncio.sleep(0.01)
+        gate.leave("wan")
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        return slices
+
+    slices = asyncio.run(main())
+    assert slices == 120
+    assert Counting.checks <= 3 * slices, Counting.checks     # waking all: ~15 per slice here
+
+
 def test_simulated_line_gives_background_flows_nothing_while_foreground_flows_run():
     link = Link("wan", bandwidth_bytes_s=100.0, rtt_s=0.0)
     link.add(0.0, "copy", 200, background=True)     # alone: the whole line
