@@ -31,7 +31,12 @@ def _pool(num_blocks: int = 32) -> torch.Tensor:
 
 
 def _row(rows: DecodeRows, r: int, n: int) -> torch.Tensor:
-    return rows.buf.view(L, 2, rows.num_rows_cap, rows.row_len, KVH, D)[:, :, r, :n]
+    return rows.buf[:, :, r, :, :n].transpose(2, 3)          # [L, 2, n, KVH, D] like the pool
+
+
+def _slots(rows: DecodeRows, pairs: list[tuple[int, int]]) -> list[int]:
+    """(row, position) per decode -> the flat (row, head, position) indices of its K/V."""
+    return [(r * KVH + h) * rows.row_len + p for r, p in pairs for h in range(KVH)]
 
 
 def _ctx(kv: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
@@ -46,7 +51,7 @@ def test_rows_hold_the_pool_kv_and_survive_only_consecutive_decodes():
     plan = rows.prepare([("a", 10, a), ("b", 6, b)], kv)
     assert plan.num_rows == 2 and plan.to_rows is None and rows.num_refills == 2
     assert torch.equal(_row(rows, 0, 9), _ctx(kv, a, 9)) and torch.equal(_row(rows, 1, 5), _ctx(kv, b, 5))
-    assert plan.slots.tolist() == [9, rows.row_len + 5]
+    assert plan.slots.tolist() == _slots(rows, [(0, 9), (1, 5)])
     assert plan.mask.shape == (2, 1, 1, 10)
     assert torch.isinf(plan.mask[1, 0, 0, 6:]).all() and not plan.mask[1, 0, 0, :6].any()
     rows.commit()
@@ -60,7 +65,7 @@ def test_rows_hold_the_pool_kv_and_survive_only_consecutive_decodes():
     assert rows.num_refills == 3 and torch.equal(_row(rows, 1, 11), _ctx(kv, a, 11))
     # a sits in row 1, b in row 0: queries go to rows and outputs come back in decode order
     assert plan.to_rows.tolist() == [1, 0] and plan.to_decodes.tolist() == [1, 0]
-    assert plan.slots.tolist() == [rows.row_len + 11, 8]
+    assert plan.slots.tolist() == _slots(rows, [(1, 11), (0, 8)])
     rows.commit()
     plan = rows.prepare([("b", 10, b), ("a", 13, a)], kv)  # decode order = row order
     assert rows.num_refills == 3 and plan.to_rows is None

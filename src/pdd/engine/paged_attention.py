@@ -236,15 +236,15 @@ class PagedAttention:
     def _decode_rows(self, layer: int, qd: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor) -> torch.Tensor:
         """qd [B, H, D], kd/vd [B, KVH, D] (this step's decode tokens) -> [B, H, D], over the rows."""
         rp, rows = self.md.rows, self.md.rows_kv
-        kr = rows.layer(layer)                                     # [2, cap * row_len, KVH, D]
-        kr[0].index_copy_(0, rp.slots, kd)
-        kr[1].index_copy_(0, rp.slots, vd)
-        _, _, KVH, D = kr.shape
-        g = kr.view(2, -1, rp.row_len, KVH, D)[:, : rp.num_rows, : rp.ctx_max]  # [2, B, ctx_max, KVH, D]
+        kr = rows.layer(layer)                                     # [2, cap, KVH, row_len, D]
+        D = kr.shape[-1]
+        kr[0].view(-1, D).index_copy_(0, rp.slots, kd.reshape(-1, D))   # slots: (row, head, position)
+        kr[1].view(-1, D).index_copy_(0, rp.slots, vd.reshape(-1, D))
+        g = kr[:, : rp.num_rows, :, : rp.ctx_max]                  # [2, B, KVH, ctx_max, D]
         if rp.to_rows is not None:
             qd = qd.index_select(0, rp.to_rows)                   # decode order -> row order
-        od = F.scaled_dot_product_attention(qd.unsqueeze(2), g[0].transpose(1, 2), g[1].transpose(1, 2),
-                                            attn_mask=rp.mask, enable_gqa=True).squeeze(2)  # [B, H, D]
+        od = F.scaled_dot_product_attention(qd.unsqueeze(2), g[0], g[1], attn_mask=rp.mask,
+                                            enable_gqa=True).squeeze(2)  # [B, H, D]
         return od if rp.to_decodes is None else od.index_select(0, rp.to_decodes)
 
     def _decode_each(self, paged: torch.Tensor, qd: torch.Tensor, KVH: int, H: int, D: int) -> torch.Tensor:
