@@ -12,7 +12,7 @@ after that every step appends the new token's K/V to its row (besides the
 paged cache, which stays the one source of truth for export, prefix caching
 and layer streaming) and attention reads the rows in place, as a strided
 view ([B, KVH, ctx, D] per layer: each head's keys contiguous, which SDPA's
-CPU kernel reads ~10% faster in bf16 than the token-major [B, ctx, KVH, D]).
+CPU kernel read ~7% faster in bf16 than the token-major [B, ctx, KVH, D]).
 
 Lifecycle of a row, decided per step by `prepare` from (request id,
 context length) pairs, committed by `commit` once the forward pass succeeded:

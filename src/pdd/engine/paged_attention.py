@@ -4,8 +4,11 @@ The model hands over post-RoPE q/k/v for a flat list of T tokens; this module
 knows which tokens belong to which sequence, writes their K/V into the cache
 slots the scheduler assigned, and attends over each sequence's whole context.
 Single-token sequences (decodes) with short contexts are attended in one
-padded, masked SDPA call; with long contexts one sequence at a time (see
-`_decode_each`); multi-token chunks (prefill, extend) one SDPA call each.
+padded, masked SDPA call, over the contiguous rows the runner keeps for
+running decodes when it has them (`decode_rows.py`, `_decode_rows`: no
+gather) and otherwise over blocks gathered from the pool; with long
+contexts one sequence at a time (see `_decode_each`); multi-token chunks
+(prefill, extend) one SDPA call each.
 
 Context K/V are gathered a whole block at a time (index_select over the cache
 viewed as [2, num_blocks, block_size, KVH, D]: one memcpy per block, K and V
