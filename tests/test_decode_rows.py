@@ -115,6 +115,11 @@ def test_engine_with_rows_equals_the_reference_and_the_gathering_path(tiny_model
     # a row is filled when its request joins the decode batch (and again after a
     # mixed step's chunking or a reallocation), never once per decoded token
     assert with_rows.runner.rows.num_refills < sum(max_tokens.values()) // 4
+    # out of work: the buffer is handed back, and the next batch makes a new one
+    assert with_rows.runner.rows.buf is None
+    again = {"x": prompts["r1"]}
+    assert _run(with_rows, again, {"x": 6}) == {"x": want["r1"][:6]}
+    assert with_rows.runner.rows.buf is None and with_rows.runner.rows.num_refills > 0
 
 
 def test_rows_survive_preemption_with_identical_tokens(tiny_model):

@@ -30,6 +30,8 @@ moving a surviving row down when a lower one frees up.
 Memory: at most `max_tokens` rows x row length (4096 padded tokens by
 default: 94 MB in bf16, 189 MB in fp32 for SmolLM2-135M's 30 layers); a
 batch that does not fit falls back to gathering (`prepare` returns None).
+The buffer is handed back whenever the engine runs out of work (`release`),
+so an idle instance does not hold it.
 """
 
 from __future__ import annotations
@@ -73,6 +75,13 @@ class DecodeRows:
         self.held: list[tuple[str, int] | None] = []   # per row: (request id, tokens held) or None
         self._pending: list[tuple[str, int]] | None = None
         self.num_refills = 0                       # rows filled from the pool (for tests and profiles)
+
+    def release(self) -> None:
+        """Drop the buffer itself (the engine is idle); the next prepare allocates a new one."""
+        self.buf = None
+        self.row_len = self.num_rows_cap = 0
+        self.held = []
+        self._pending = None
 
     def clear(self) -> None:
         """Forget every row (the pool's K/V may have changed under them)."""
