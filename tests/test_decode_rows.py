@@ -7,7 +7,8 @@
   gathering path, over mixed steps, chunked prefill, requests that finish at
   different times (rows move) and preemption; rows are refilled only when a
   request joins the decode batch, not every step;
-* a KV import (write_block) drops every row.
+* a KV import (write_block) drops the rows copied from the block it writes,
+  and only those.
 """
 
 from __future__ import annotations
@@ -134,13 +135,23 @@ def test_rows_survive_preemption_with_identical_tokens(tiny_model):
     assert sum(r.num_preemptions for r in eng.requests.values()) > 0
 
 
-def test_a_kv_import_drops_every_row(tiny_model):
+def test_a_kv_import_drops_only_the_rows_copied_from_its_block(tiny_model):
     model, cfg = tiny_model
     eng = Engine(model, cfg, EngineConfig(num_blocks=32, block_size=16))
-    eng.submit(EngineRequest("a", list(range(100, 130)), SamplingParams(max_tokens=10, ignore_eos=True)))
+    for rid, start in (("a", 100), ("b", 300)):
+        eng.submit(EngineRequest(rid, list(range(start, start + 30)), SamplingParams(max_tokens=10, ignore_eos=True)))
     for _ in range(4):
         eng.step()
     rows = eng.runner.rows
-    assert any(h is not None for h in rows.held)
-    eng.runner.write_block(31, eng.runner.read_block(31))
-    assert all(h is None for h in rows.held)
+    held = {h[0]: r for r, h in enumerate(rows.held) if h is not None}
+    assert set(held) == {"a", "b"}
+    used = set(eng.requests["a"].block_ids) | set(eng.requests["b"].block_ids)
+    free = next(b for b in range(32) if b not in used)
+    eng.runner.write_block(free, eng.runner.read_block(free))          # another request's import
+    assert {h[0] for h in rows.held if h is not None} == {"a", "b"}
+    b0 = eng.requests["b"].block_ids[0]
+    eng.runner.write_block(b0, eng.runner.read_block(b0))              # b's own block rewritten
+    assert {h[0] for h in rows.held if h is not None} == {"a"}
+    refills = rows.num_refills
+    eng.step()
+    assert rows.num_refills == refills + 1                             # only b is refilled

@@ -22,8 +22,9 @@ context length) pairs, committed by `commit` once the forward pass succeeded:
     any --(request did not decode in the last step, or clear())--> free
 
 A row is valid only for the request that decoded in the step just before with
-one token less, so preemption, recompute, extend and KV import (which call
-`clear` through the runner) can never leave stale K/V in a row. Rows in use
+one token less, so preemption, recompute and extend can never leave stale
+K/V in a row; a KV import into a block a row was copied from drops that row
+(`drop_block`, through the runner's `write_block`). Rows in use
 are always 0..B-1 (attention takes the first B rows), which `prepare` keeps by
 moving a surviving row down when a lower one frees up.
 
@@ -73,6 +74,7 @@ class DecodeRows:
         self.row_len = 0
         self.num_rows_cap = 0
         self.held: list[tuple[str, int] | None] = []   # per row: (request id, tokens held) or None
+        self.blocks: dict[int, list[int]] = {}     # row -> its request's block table (the live list)
         self._pending: list[tuple[str, int]] | None = None
         self.num_refills = 0                       # rows filled from the pool (for tests and profiles)
 
@@ -81,12 +83,21 @@ class DecodeRows:
         self.buf = None
         self.row_len = self.num_rows_cap = 0
         self.held = []
+        self.blocks = {}
         self._pending = None
 
     def clear(self) -> None:
         """Forget every row (the pool's K/V may have changed under them)."""
         self.held = [None] * self.num_rows_cap
         self._pending = None
+
+    def drop_block(self, block_id: int) -> None:
+        """A pool block was overwritten from outside a step (KV import): forget the rows
+        copied from it. Imports land in blocks of requests that are not decoding, so
+        normally no row is hit and the running batch keeps its rows."""
+        for r, blocks in list(self.blocks.items()):
+            if block_id in blocks and r < len(self.held):
+                self.held[r] = None
 
     def _alloc(self, num_rows: int, ctx_max: int) -> bool:
         bs = self.block_size
@@ -138,6 +149,7 @@ class DecodeRows:
                 self._refill(buf, dst, kv, blocks, c - 1)
             self.held[dst] = (rid, c - 1)
             rows.append(dst)
+        self.blocks = {r: blocks for r, (_, _, blocks) in zip(rows, decodes)}
         ctxs = [c for _, c, _ in decodes]
         self._pending = [(rid, c) for rid, c, _ in decodes]
         self._pending_rows = rows

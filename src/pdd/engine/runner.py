@@ -130,7 +130,7 @@ class ModelRunner:
 
     def write_block(self, block_id: int, payload: bytes) -> None:
         if self.rows is not None:
-            self.rows.clear()        # never let a row outlive K/V it was copied from
+            self.rows.drop_block(block_id)   # never let a row outlive K/V it was copied from
         view = self._block_view(block_id)
         src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(view.shape)
         view.copy_(src)
