@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 from pdd.engine import bench
 
@@ -69,7 +70,6 @@ def test_bench_worker_times_our_engine_in_another_process(tiny_model_dir, tmp_pa
     --baseline-src runs) answers prefill and decode with the same counts as Ours."""
     import os
     import sys
-    from pathlib import Path
 
     script = str(Path(bench.__file__).with_name("bench_worker.py"))
     argv = [sys.executable, script, "--backend", "pdd", "--model", str(tiny_model_dir), "--dtype", "bfloat16",
@@ -101,3 +101,24 @@ def test_vs_vllm_without_its_interpreter_says_so(tiny_model_dir, tmp_path):
         raise AssertionError("expected SystemExit")
     except SystemExit as e:
         assert "--vllm-python" in str(e) and "no interpreter" in str(e)
+
+
+def test_ours_in_worker_times_both_dtypes_in_workers(tiny_model_dir, tmp_path):
+    """--ours-in-worker: the "ours" and "ours_bf16" prefill/decode columns come
+    from worker processes of this checkout, with every count the in-process
+    engine would give; the prefix-hit measurement still runs in process."""
+    out = tmp_path / "engine.json"
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--model", str(tiny_model_dir), "--repeats", "1", "--no-hf",
+                              "--dtypes", "float32,bfloat16", "--ours-in-worker", "--long-ctx", "0",
+                              "--decode-batches", "2", "--prefill-lens", "32", "--out", str(out)])
+    assert bench.run(args) == 0
+    r = json.loads(out.read_text())
+    assert r["settings"]["ours_in_worker"] is True
+    assert set(r["settings"]["worker_startup_s"]) == {"ours_bf16"}        # "ours" is the timed worker
+    assert r["settings"]["others"]["ours_bf16"].endswith(str(Path(bench.__file__).parents[1]) + ")")
+    e = r["decode"]["2"]
+    for side in ("ours", "ours_bf16"):
+        assert _positive(e[side]["tok_s"]) and e[side]["tokens"] == 2 * r["settings"]["decode_tokens"]
+    assert _positive(r["prefill"]["32"]["ours"]["tok_s"]) and _positive(r["prefix_hit_speedup"])

@@ -102,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-block-size", type=int, default=128)
     parser.add_argument("--baseline-src", default=None, metavar="DIR",
                         help="also time our engine from another checkout (DIR/src), in a worker: before/after")
+    parser.add_argument("--ours-in-worker", action="store_true",
+                        help="time our engine's prefill and decode in worker processes too (this checkout), "
+                             "like every other engine, instead of in the bench's own process")
     parser.add_argument("--worker-timeout", type=float, default=900.0, metavar="S",
                         help="longest wait for a worker's start or answer")
 
@@ -271,6 +274,12 @@ def start_workers(args, folder: Path, dtypes: list[str], sizes: dict, budget: in
     common = ["--model", str(folder), "--threads", str(args.threads), "--max-num-batched-tokens", str(budget),
               "--max-num-seqs", str(max(32, *sizes["decode_batches"])), "--max-model-len", str(longest + 8)]
     plan = []
+    if getattr(args, "ours_in_worker", False):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # this checkout's pdd
+        for d in dtypes:
+            plan.append((f"ours_w{SHORT[d]}", [sys.executable, script, "--backend", "pdd", "--dtype", d,
+                                               "--block-size", str(args.block_size),
+                                               "--num-blocks", str(num_blocks)], env))
     if args.vs_vllm:
         python = Path(args.vllm_python)
         if not python.exists():
@@ -472,21 +481,29 @@ def run(args) -> int:
         return 2
     # every engine timed beside `ours`, in the order they alternate
     others: dict = {}
-    for d in dtypes[1:]:
+    for d in dtypes[1:] if not getattr(args, "ours_in_worker", False) else ():
         from pdd.engine.runner import DTYPES
 
         md, _ = load_model(folder, DTYPES[d])
         others[f"ours{SHORT[d]}"] = Ours(md, mcfg, bs, num_blocks, budget, max(32, max(batches)), args.threads, d)
     others.update(start_workers(args, folder, dtypes, sizes, budget, num_blocks, Path(args.out)))
+    timed = ours
+    if getattr(args, "ours_in_worker", False):
+        # the in-process engine still runs the prefix-hit measurement (it needs engine access)
+        timed = others.pop("ours_w")
+        for d in dtypes[1:]:
+            others[f"ours{SHORT[d]}"] = others.pop(f"ours_w{SHORT[d]}")
+        others = {k: others[k] for k in sorted(others, key=lambda k: not k.startswith("ours"))}
     try:
-        return _run_all(args, sizes, model, mcfg, folder, ours, others, dtypes, bs, num_blocks, budget)
+        return _run_all(args, sizes, model, mcfg, folder, ours, others, dtypes, bs, num_blocks, budget, timed)
     finally:
-        for o in others.values():
+        for o in (timed, *others.values()):
             if isinstance(o, Worker):
                 o.close()
 
 
-def _run_all(args, sizes, model, mcfg, folder, ours, others, dtypes, bs, num_blocks, budget) -> int:
+def _run_all(args, sizes, model, mcfg, folder, ours, others, dtypes, bs, num_blocks, budget, timed=None) -> int:
+    """timed: what the prefill and decode columns "ours" time (ours, or our engine in a worker)."""
     import torch
 
     vocab = mcfg.vocab_size
@@ -498,7 +515,8 @@ def _run_all(args, sizes, model, mcfg, folder, ours, others, dtypes, bs, num_blo
 
     # warm-up: allocator, oneDNN/MKL kernels, HF generate machinery
     wp = _prompts(rng, 2, 32, vocab)
-    for o in (ours, *others.values()):
+    timed = timed or ours
+    for o in (timed, *others.values()):
         o.prefill(wp[0])
         o.decode(wp, 4)
     if hf:
@@ -512,6 +530,7 @@ def _run_all(args, sizes, model, mcfg, folder, ours, others, dtypes, bs, num_blo
             "others": {k: getattr(o, "version", None) or "ours" for k, o in others.items()},
             "vllm_block_size": args.vllm_block_size if args.vs_vllm else None,
             "worker_startup_s": {k: o.startup_s for k, o in others.items() if isinstance(o, Worker)},
+            "ours_in_worker": isinstance(timed, Worker),
             "threads": args.threads, "repeats": R, "quick": bool(args.quick), "seed": args.seed,
             "block_size": bs, "num_blocks": num_blocks, "max_num_batched_tokens": budget,
             "prefill_one_pass": True, **sizes,
@@ -532,7 +551,7 @@ def _run_all(args, sizes, model, mcfg, folder, ours, others, dtypes, bs, num_blo
         xs: dict[str, tuple[list, list]] = {k: ([], []) for k in others}
         for _ in range(R):
             p = _prompts(rng, 1, L, vocab)[0]
-            dt, cpu, _ = ours.prefill(p)
+            dt, cpu, _ = timed.prefill(p)
             o.append(dt)
             oc.append(cpu)
             for k, eng in others.items():
@@ -562,7 +581,7 @@ def _run_all(args, sizes, model, mcfg, folder, ours, others, dtypes, bs, num_blo
         xs = {k: ([], []) for k in others}
         for _ in range(R):
             ps = _prompts(rng, N, dprompt, vocab)
-            dt, cpu, o_tokens, mb = ours.decode(ps, dtok)
+            dt, cpu, o_tokens, mb = timed.decode(ps, dtok)
             o.append(dt)
             oc.append(cpu)
             mean_batch.append(mb)

@@ -20,6 +20,9 @@ class EngineConfig:
     num_threads: int = 1
     dtype: str = "float32"
     step_log_size: int = 100_000
+    # keep running decodes' K/V as contiguous rows between steps (engine/decode_rows.py);
+    # False: gather them from the block table every step (the reference path)
+    decode_rows: bool = True
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "num_threads"):

@@ -209,6 +209,8 @@ class Engine:
                 events.append(StepEvent(req.request_id, extended_upto=req.num_output_tokens))
             elif s.sample:
                 events.extend(self._on_sample(req, tok))
+        if not self.scheduler.has_work:
+            self.runner.release_idle_memory()
         return events
 
     def _execute_isolated(self, plan: StepPlan) -> tuple[StepPlan, list[int | None], list[tuple[EngineRequest, str]]]:

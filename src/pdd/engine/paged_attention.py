@@ -4,8 +4,11 @@ The model hands over post-RoPE q/k/v for a flat list of T tokens; this module
 knows which tokens belong to which sequence, writes their K/V into the cache
 slots the scheduler assigned, and attends over each sequence's whole context.
 Single-token sequences (decodes) with short contexts are attended in one
-padded, masked SDPA call; with long contexts one sequence at a time (see
-`_decode_each`); multi-token chunks (prefill, extend) one SDPA call each.
+padded, masked SDPA call, over the contiguous rows the runner keeps for
+running decodes when it has them (`decode_rows.py`, `_decode_rows`: no
+gather) and otherwise over blocks gathered from the pool; with long
+contexts one sequence at a time (see `_decode_each`); multi-token chunks
+(prefill, extend) one SDPA call each.
 
 Context K/V are gathered a whole block at a time (index_select over the cache
 viewed as [2, num_blocks, block_size, KVH, D]: one memcpy per block, K and V
@@ -40,6 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdd.engine.decode_rows import DecodeRows, RowsPlan
+
 
 @dataclass
 class PrefillChunk:
@@ -71,6 +76,9 @@ class AttentionMetadata:
     all_decode: bool = False                  # every token is a decode, in order (decode_tok = arange)
     prefills: list[PrefillChunk] | None = None
     block_size: int = 16
+    # set instead of the block table when the decodes' contexts are kept as rows (decode_rows.py)
+    rows: RowsPlan | None = None
+    rows_kv: DecodeRows | None = None
 
 
 # Padded decode tokens (batch x longest context) from which decodes are
@@ -107,10 +115,12 @@ def split_runs(blocks: list[int], ctx: int, bs: int, min_run: int = DECODE_RUN_M
 
 def build_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int,
-    decode_each_min_tokens: int | None = None,
+    decode_each_min_tokens: int | None = None, rows: tuple[DecodeRows, RowsPlan] | None = None,
 ) -> AttentionMetadata:
     """seqs: (start_pos, num_tokens, block_ids) per sequence, in flat order.
-    decode_each_min_tokens: None for DECODE_EACH_MIN_TOKENS, read at call time."""
+    decode_each_min_tokens: None for DECODE_EACH_MIN_TOKENS, read at call time.
+    rows: the decodes' contexts as rows (DecodeRows.prepare for the same decodes, in order):
+    no block table is built for them then."""
     bs = block_size
     slots: list[int] = []
     dec_tok: list[int] = []
@@ -140,6 +150,9 @@ def build_metadata(
     if dec_tok:
         md.decode_tok = torch.tensor(dec_tok, dtype=torch.long)
         md.all_decode = not prefills
+        if rows is not None:
+            md.rows_kv, md.rows = rows
+            return md
         nb = max(len(b) for b in dec_blocks)
         if decode_each_min_tokens is None:
             decode_each_min_tokens = DECODE_EACH_MIN_TOKENS
@@ -175,11 +188,17 @@ class PagedAttention:
             self.progress.layers_written = layer + 1
         paged = kv.view(2, S // bs, bs, KVH, D)               # [2, NB, bs, KVH, D]
         H = q.shape[1]
-        if md.all_decode:
+        if md.rows is not None:
+            if md.all_decode:
+                return self._decode_rows(layer, q, k, v)
+            dt = md.decode_tok
+            od = self._decode_rows(layer, q.index_select(0, dt), k.index_select(0, dt), v.index_select(0, dt))
+        elif md.all_decode:
             return self._decode(paged, q, KVH, H, D)
+        elif md.decode_tok is not None:
+            od = self._decode(paged, q.index_select(0, md.decode_tok), KVH, H, D)
         out = torch.empty_like(q)
         if md.decode_tok is not None:
-            od = self._decode(paged, q.index_select(0, md.decode_tok), KVH, H, D)
             out.index_copy_(0, md.decode_tok, od)
         for c in md.prefills or ():
             qp = q[c.start_tok : c.end_tok].transpose(0, 1).unsqueeze(0)   # [1, H, n, D]
@@ -199,6 +218,8 @@ class PagedAttention:
     def _decode(self, paged: torch.Tensor, qd: torch.Tensor, KVH: int, H: int, D: int) -> torch.Tensor:
         """qd: [B, H, D] single-token queries -> [B, H, D]."""
         md = self.md
+        if md.rows is not None:
+            raise AssertionError("rows are attended by _decode_rows")
         if md.decode_each is not None:
             return self._decode_each(paged, qd, KVH, H, D)
         B = qd.shape[0]
@@ -214,6 +235,20 @@ class PagedAttention:
                 ~md.decode_mask, float("-inf"))
         od = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=self._dec_mask, enable_gqa=True)
         return od.squeeze(2)                                                 # [B, H, D]
+
+    def _decode_rows(self, layer: int, qd: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor) -> torch.Tensor:
+        """qd [B, H, D], kd/vd [B, KVH, D] (this step's decode tokens) -> [B, H, D], over the rows."""
+        rp, rows = self.md.rows, self.md.rows_kv
+        kr = rows.layer(layer)                                     # [2, cap, KVH, row_len, D]
+        D = kr.shape[-1]
+        kr[0].view(-1, D).index_copy_(0, rp.slots, kd.reshape(-1, D))   # slots: (row, head, position)
+        kr[1].view(-1, D).index_copy_(0, rp.slots, vd.reshape(-1, D))
+        g = kr[:, : rp.num_rows, :, : rp.ctx_max]                  # [2, B, KVH, ctx_max, D]
+        if rp.to_rows is not None:
+            qd = qd.index_select(0, rp.to_rows)                   # decode order -> row order
+        od = F.scaled_dot_product_attention(qd.unsqueeze(2), g[0], g[1], attn_mask=rp.mask,
+                                            enable_gqa=True).squeeze(2)  # [B, H, D]
+        return od if rp.to_decodes is None else od.index_select(0, rp.to_decodes)
 
     def _decode_each(self, paged: torch.Tensor, qd: torch.Tensor, KVH: int, H: int, D: int) -> torch.Tensor:
         """qd: [B, H, D] -> [B, H, D], one sequence at a time (why: module docstring)."""

@@ -153,13 +153,12 @@ class LlamaBlock(nn.Module):
         T = x.shape[0]
         h = self.input_layernorm(x)
         pk = self.packed
-        qkv = linear(h, self.wqkv, pk.get("wqkv"))  # qkv: [T, (H + 2*KVH) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)  # q: [T, H, D]
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # k: [T, KVH, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)  # v: [T, KVH, D]
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        H, KVH = self.num_heads, self.num_kv_heads
+        qkv = linear(h, self.wqkv, pk.get("wqkv")).view(T, H + 2 * KVH, self.head_dim)  # [T, H + 2*KVH, D]
+        # RoPE on q and k in one pass (same arithmetic per element as two, half the ops)
+        qk = apply_rope(qkv[:, : H + KVH], cos, sin)  # [T, H + KVH, D]
+        q, k = qk.split([H, KVH], dim=1)  # q: [T, H, D], k: [T, KVH, D] (views)
+        v = qkv[:, H + KVH :]  # v: [T, KVH, D]
         o = attention(self.layer_idx, q, k, v)  # o: [T, H, D]
         x = x + linear(o.reshape(T, self.q_size), self.wo, pk.get("wo"))  # [T, hidden]
         h = self.post_attention_layernorm(x)
