@@ -261,10 +261,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
             wan = dataclasses.replace(wan, up=False)
         if wan is not None:
             # What P still has to push over the line, as its servers report it.
-            fg, bg = self.links[self.md_link].queued_bytes(now)
-            wan = dataclasses.replace(wan, queued_bytes=fg, queued_background_bytes=bg,
-                                      queued_flows=self.links[self.md_link].foreground_flows,
-                                      queued_background_flows=self.links[self.md_link].background_flows)
+            wan = dataclasses.replace(wan, **self.links[self.md_link].backlog(now))
         local = self.estimators.get(self.p_link) if self.p_link else None
         view = ClusterView(tuple(i.view() for i in insts), matched, wan, now,
                            local=local.estimate(now) if local is not None else None)

@@ -155,19 +155,16 @@ class Link:
         f.cap_bytes_s = math.inf
         return self._next()
 
-    def queued_bytes(self, now: float) -> tuple[float, float]:
-        """Bytes still to cross: (foreground, background)."""
+    def backlog(self, now: float) -> dict[str, float]:
+        """What is still to cross, by kind, as P's sender reports it to the
+        router: the `LinkEstimate` fields of the queue ahead of a new transfer."""
         self._advance(now)
-        fg = sum(f.remaining for f in self.flows.values() if not f.background)
-        return fg, sum(f.remaining for f in self.flows.values() if f.background)
-
-    @property
-    def foreground_flows(self) -> int:
-        return sum(1 for f in self.flows.values() if not f.background)
-
-    @property
-    def background_flows(self) -> int:
-        return sum(1 for f in self.flows.values() if f.background)
+        out = {"queued_bytes": 0.0, "queued_background_bytes": 0.0,
+               "queued_flows": 0, "queued_background_flows": 0}
+        for f in self.flows.values():
+            out["queued_background_bytes" if f.background else "queued_bytes"] += f.remaining
+            out["queued_background_flows" if f.background else "queued_flows"] += 1
+        return out
 
     def promote(self, now: float, flow_id: str) -> tuple[float, int] | None:
         """A background flow becomes foreground (a foreground transfer waits on it)."""
