@@ -335,9 +335,11 @@ def test_a_few_blocks_go_first_on_a_line_crowded_by_a_cold_copy():
     slow_rx = LinkEstimate(throughput_bytes_s=12.5e6, rtt_s=0.04, overhead_s=0.6)
     assert not choose_pipeline(r, ClusterView(cluster().instances, {"m0": 2_400 - 32}, slow_rx, 10.0),
                                CFG).big_copy
-    # A PD baseline's decoder has no gate: nothing yields there.
+    # A PD baseline's decoder has no gate: nothing yields there, and its
+    # user waits as for a plain flow.
     pd = choose_pipeline(r, pd_cluster(wan=idle), CFG)
-    assert pd.big_copy and not copy_yields_line(pd)
+    assert not pd.big_copy and not copy_yields_line(pd)
+    assert pd.wait_s == pytest.approx(idle.transfer_s(pd.missing_bytes))
 
 
 # -- the PD baselines: P and D by the same call (router `choose_pd`, simulator) --

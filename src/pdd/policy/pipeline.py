@@ -171,14 +171,17 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
     p_view, new_tokens = cluster.instance(p_id), max(n - cluster.matched(p_id), 0)
     copy_wait = wait_after_prefill(cluster.wan.transfer_s(missing, background=True), new_tokens, p_view)
     # A copy whose own bytes outlast a short wait yields the line to those
-    # that do not (shortest first), so a direct user waits for it as for a copy.
-    big = cluster.wan.bytes_s(missing) > cfg.direct_max_wan_s
+    # that do not (shortest first), so a direct user waits for it as for a
+    # copy. Only where PDD's senders order the line (`gated`: a MainDecode);
+    # a PD baseline's copy is a plain flow, its user's wait a flow's.
+    gated = bool(cluster.with_role(Role.MAIN))
+    big = gated and cluster.wan.bytes_s(missing) > cfg.direct_max_wan_s
     wait = copy_wait if big else wait_after_prefill(est, new_tokens, p_view)
     filterable = bool(cluster.with_role(Role.RELAY)) and in_filter_class(req, cluster.matched(p_id), cfg)
 
     def direct(why: str) -> PipelineDecision:
         return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why, filterable,
-                                wait_s=wait, gated=bool(cluster.with_role(Role.MAIN)), big_copy=big)
+                                wait_s=wait, gated=gated, big_copy=big)
 
     m = req.max_tokens
     # RLD-only is bounded by its own budget of requests only: by the class's
