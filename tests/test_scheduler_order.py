@@ -72,3 +72,22 @@ def test_a_handoffs_final_extend_runs_alone_then_the_batch_resumes():
     assert step(s) == {"md": 3}              # its last own token and the two, nothing else
     assert not handed.urgent
     assert step(s) == {"a": 1, "b": 1, "md": 1}
+
+
+def test_a_final_extend_that_finds_its_request_not_yet_admitted_runs_alone_too():
+    s = make()
+    for k, rid in enumerate(("a", "b")):
+        s.add(req(rid, 40, float(k), base=1000 * (k + 1)))
+    while any(x.num_uncomputed > 1 for x in s.running) or s.waiting:
+        step(s)
+    s.add(req("other", 60, 5.0, base=7000))       # prompt work that would share the step
+    md = req("md", 40, 6.0, base=9000)             # MD's request, submitted as its KV landed
+    md.hold = True
+    s.add(md)
+    # The router's final batch arrives before the next step: two of RLD's tokens.
+    md.token_ids.extend([11, 12])
+    md.hold, md.urgent = False, True
+    assert step(s) == {"md": 42}                  # admitted at once, alone: no decodes, no other prompt
+    assert not md.urgent
+    out = step(s)
+    assert out["md"] == 1 and out["a"] == 1 and out["b"] == 1

@@ -95,13 +95,28 @@ class Scheduler:
         # A handoff's final extend runs alone: the user's stream is stalled
         # until it samples, while the others lose one short step (a lone
         # 1-2-token extend costs a fraction of a batched step here).
+        # So does one still waiting to be admitted: MD's request is submitted
+        # when its KV lands, and the final batch, sent on the router's
+        # `kv_ready`, often finds it not yet admitted (the simulator, too,
+        # runs it alone).
         urgent = [r for r in self.running if r.urgent and r.num_uncomputed > 0]
-        if urgent:
+        urgent_waiting = [r for r in self.waiting if r.urgent]
+        if urgent or urgent_waiting:
             for req in sorted(urgent, key=lambda r: r.arrival_s):
                 need, before = req.num_uncomputed, budget
                 budget = self._run(req, budget, in_plan, plan)
                 if before - budget >= need:
                     req.urgent = False          # all of it is in this step
+            for req in sorted(urgent_waiting, key=lambda r: r.arrival_s):
+                if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+                    break
+                n = self._admit(req, budget)
+                if n is None:
+                    break                       # no blocks now: the normal path decides
+                self._start(req, n, in_plan, plan)
+                budget -= n
+                if req.num_computed_tokens + n == req.num_tokens:
+                    req.urgent = False
             if plan.seqs:
                 return plan
         decodes = sorted((r for r in self.running if r.num_uncomputed == 1), key=lambda r: r.arrival_s)
@@ -133,14 +148,18 @@ class Scheduler:
                     continue
                 admitting = False      # no blocks now: later ones do not overtake it
                 continue
-            self.waiting.remove(req)
-            self._hashes.pop(req.request_id, None)
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            plan.seqs.append(self._seq(req, n))
-            in_plan.add(req.request_id)
+            self._start(req, n, in_plan, plan)
             budget -= n
         return plan
+
+    def _start(self, req: EngineRequest, n: int, in_plan: set[str], plan: StepPlan) -> None:
+        """An admitted request joins the running ones with its first n tokens in this step."""
+        self.waiting.remove(req)
+        self._hashes.pop(req.request_id, None)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        plan.seqs.append(self._seq(req, n))
+        in_plan.add(req.request_id)
 
     def _run(self, req: EngineRequest, budget: int, in_plan: set[str], plan: StepPlan) -> int:
         """Schedule up to `budget` tokens of a running request; returns the budget left."""

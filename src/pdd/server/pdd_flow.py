@@ -37,6 +37,8 @@ from pdd.server.flows import (
 from pdd.server.wire import InternalClient
 
 _ENDS = {r.value: r for r in io.EndReason}
+# Control calls sent in order per instance, off the fact loop (`PddRun.in_lane`).
+_LANED = (io.ExtendMd, io.PauseRld, io.ResumeRld)
 
 
 class PddRun:
@@ -48,6 +50,7 @@ class PddRun:
         self.members: dict[io.Leg, Member] = {}      # the instance behind each open leg
         self.out: list[int] = []                     # tokens committed by the last fact, to yield
         self.background: set[asyncio.Task] = set()
+        self.lanes: dict[str, asyncio.Task] = {}     # instance -> its last control call (in order)
         self.log = DecisionLog()                     # the commands, for the trace ("lifecycle")
         self.p_counted: str | None = None            # P counts this request as its own until it prefilled it
 
@@ -218,16 +221,29 @@ class PddRun:
     async def apply(self, cmds: list, logged: bool = False) -> None:
         for cmd in cmds if not logged else ():
             self.log.add(cmd)
-        i = 0
-        while i < len(cmds):
-            cmd, nxt = cmds[i], cmds[i + 1] if i + 1 < len(cmds) else None
-            if isinstance(cmd, io.ExtendMd) and cmd.final and isinstance(nxt, io.PauseRld):
-                # A final batch: MD's extend and RLD's pause go out together.
-                await asyncio.gather(self.carry_out(cmd), self.carry_out(nxt))
-                i += 2
-                continue
+        for cmd in cmds:
+            if isinstance(cmd, _LANED) or isinstance(cmd, io.Abort) and cmd.background:
+                self.in_lane(cmd)
+            else:
+                await self.carry_out(cmd)
+
+    def in_lane(self, cmd) -> None:
+        """An extend, pause, resume or background abort goes out behind the calls
+        already made to the same instance, without holding up the next fact: the instance
+        answers it only between two engine steps (a whole step of MD's batch),
+        and meanwhile RLD's tokens must keep reaching the user. A final batch's
+        extend and RLD's pause thus go out together."""
+        iid = cmd.instance_id
+        before = self.lanes.get(iid)
+
+        async def go() -> None:
+            if before is not None:
+                await asyncio.wait({before})
             await self.carry_out(cmd)
-            i += 1
+        t = asyncio.get_running_loop().create_task(go())
+        self.lanes[iid] = t
+        self.background.add(t)
+        t.add_done_callback(self.background.discard)
 
     async def carry_out(self, cmd) -> None:
         ctx, c, rid = self.ctx, self.cluster, self.ctx.request_id
@@ -262,9 +278,11 @@ class PddRun:
         elif isinstance(cmd, io.ResumeRld):
             await self.post(c.members[cmd.instance_id], "/internal/extend", {"request_id": rid, "token_ids": []})
         elif isinstance(cmd, io.Abort):
-            self.abort(cmd) if cmd.background else await self.post(
-                c.members[cmd.instance_id], "/internal/abort",
-                {"request_id": rid} | ({"keep_kv": True} if cmd.keep_kv else {}))
+            # A background abort runs in its instance's lane (`in_lane`), bounded:
+            # a stopped instance would hold the call until its timeout.
+            await control(self.client, c.members[cmd.instance_id], "/internal/abort",
+                          {"request_id": rid} | ({"keep_kv": True} if cmd.keep_kv else {}), ctx,
+                          timeout_s=5.0 if cmd.background else 10.0)
         elif isinstance(cmd, io.CloseStream):
             self.streams.close(cmd.leg.value)
         elif isinstance(cmd, io.ReleaseP):
@@ -314,18 +332,6 @@ class PddRun:
             t.handoff_s = self.lc.handoff_s
         elif cmd.event == "failover":
             t.pipeline = io.Outcome.FAILOVER.value
-
-    def abort(self, cmd: io.Abort) -> None:
-        """Best effort, off the user's path: a stopped instance would hold the
-        call until its timeout; a dead one refuses it."""
-        m = self.cluster.members[cmd.instance_id]
-
-        async def go() -> None:
-            await control(self.client, m, "/internal/abort", {"request_id": self.ctx.request_id}, self.ctx,
-                          timeout_s=5.0)
-        t = asyncio.get_running_loop().create_task(go())
-        self.background.add(t)
-        t.add_done_callback(self.background.discard)
 
     async def post(self, m: Member, path: str, body: dict) -> None:
         await control(self.client, m, path, body, self.ctx)
