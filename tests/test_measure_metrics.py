@@ -80,6 +80,10 @@ def test_handoff_gap_ratio():
     b = rec("b", 0.0, [0.1, 0.2, 0.3])
     assert handoff_gap_ratio([a, b]) == pytest.approx(5.0)       # 0.5 / median 0.1
     assert handoff_gap_ratio([b]) is None
+    c = rec("c", 0.0, [0.1, 0.2, 0.3, 0.5], handoff_gap_s=0.2)
+    d = rec("d", 0.0, [0.1, 0.2, 0.3, 0.6], handoff_gap_s=0.3)
+    assert handoff_gap_ratio([a, c, d]) == pytest.approx(5.0)        # the largest
+    assert handoff_gap_ratio([a, c, d], 50) == pytest.approx(3.0)    # the median handoff's: 0.3 / 0.1
 
 
 def test_relative_change_and_cost_per_token():

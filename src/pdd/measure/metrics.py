@@ -75,14 +75,16 @@ def meets_sla(r: RequestRecord, sla: Sla) -> bool:
     return r.ttft_s <= sla.ttft_s and (tpot is None or tpot <= sla.tpot_s)
 
 
-def handoff_gap_ratio(records: list[RequestRecord]) -> float | None:
-    """Largest inter-token gap at a handoff divided by the median inter-token gap."""
+def handoff_gap_ratio(records: list[RequestRecord], q: float | None = None) -> float | None:
+    """Largest inter-token gap at a handoff divided by the median inter-token
+    gap; with q, that percentile of the handoffs' gaps instead of the largest."""
     gaps = [r.handoff_gap_s for r in records if r.handoff_gap_s is not None]
     itls = [x for r in records if not r.failed for x in r.itls_s]
     if not gaps or not itls:
         return None
     med = percentile(itls, 50)
-    return max(gaps) / med if med > 0 else None
+    gap = max(gaps) if q is None else percentile(gaps, q)
+    return gap / med if med > 0 else None
 
 
 def run_duration(records: list[RequestRecord]) -> float:
@@ -128,6 +130,8 @@ def summarize_mode(
         "uncached_kv_bytes": sum(r.uncached_kv_bytes for r in records),
         "rld_token_share": (sum(r.rld_tokens for r in ok) / total_out) if total_out else 0.0,
         "handoff_gap_ratio": handoff_gap_ratio(records),
+        "handoff_gap_ratio_p50": handoff_gap_ratio(records, 50),
+        "num_handoffs": sum(1 for r in records if r.handoff_gap_s is not None),
         "prefix_hit_rate": (
             sum(r.cached_tokens for r in records) / max(1, sum(r.prompt_tokens for r in records))
         ),

@@ -63,6 +63,14 @@ def _fmt(x, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
     return "-" if x is None else f"{x * scale:{spec}}{suffix}"
 
 
+def _gaps(m: dict) -> str:
+    """Handoff gaps over the median inter-token gap: 'p50 / max (n handoffs)'."""
+    if _num(m.get("handoff_gap_ratio")) is None:
+        return "-"
+    return (f"{_fmt(m.get('handoff_gap_ratio_p50'), '.1f')} / {_fmt(m['handoff_gap_ratio'], '.1f')}x"
+            f" ({m.get('num_handoffs', '?')})")
+
+
 def _pct(x) -> str:
     return "-" if _num(x) is None else f"{x * 100:+.1f}%"
 
@@ -87,7 +95,7 @@ COLUMNS = [  # header, getter(mode name, mode summary) -> cell
     ("WAN MB", lambda n, m: _fmt(m["wan_bytes"], ".2f", 1e-6)),
     ("hit", lambda n, m: _fmt(m["prefix_hit_rate"], ".1f", 100, "%")),
     ("RLD tok", lambda n, m: _fmt(m["rld_token_share"], ".1f", 100, "%")),
-    ("gap/ITL", lambda n, m: _fmt(m.get("handoff_gap_ratio"), ".1f", 1, "x")),
+    ("gap/ITL p50 / max", lambda n, m: _gaps(m)),
 ]
 
 
@@ -182,8 +190,9 @@ def render_markdown(summary: dict) -> str:
         "",
         _md_table(*table_rows(summary)),
         "",
-        "BCR = goodput within SLA (requests/s) / cost per hour. gap/ITL = largest "
-        "inter-token gap at an RLD->MD handoff over the median inter-token gap.",
+        "BCR = goodput within SLA (requests/s) / cost per hour. gap/ITL = the "
+        "inter-token gap at an RLD->MD handoff over the median inter-token gap: the median "
+        "handoff's, the largest, and (in brackets) the number of handoffs.",
         "",
         "## Against the report",
         "",
