@@ -75,3 +75,34 @@ def test_equal_sizes_keep_the_single_rate_estimate():
     est = le.estimate(40.0)
     assert est.overhead_s == 0.0
     assert est.throughput_bytes_s == pytest.approx(1e8, rel=0.01)     # 10 MB in 0.1 s payload
+
+
+MB = 1e6
+
+
+def test_a_copy_paced_by_its_prefill_does_not_make_the_line_look_fast():
+    """A cold prompt's 90 MB copy streamed with its 10 s prefill: the sender
+    waited ~9.5 s of it for P's slices (the bytes it had written crossing
+    meanwhile). The line (12.5 MB/s) is neither 150 MB/s (its time less the
+    waits, as the router once counted) nor P's 9 MB/s: such a copy only
+    bounds the rate from below, and the configured line stays the estimate."""
+    le = LinkEstimator.from_line(100e6, 0.02)
+    for k in range(10):
+        le.observe_transfer(10.0 * k, 90 * MB, elapsed_s=10.0, paced_s=9.5)
+    assert le.estimate(100.0).throughput_bytes_s == pytest.approx(12.5 * MB)
+
+
+def test_paced_copies_raise_a_floor_that_fades():
+    le = LinkEstimator.from_line(100e6, 0.02)
+    for k in range(30):                   # 40 MB in 2 s while P paced it: the line does >= 20 MB/s
+        le.observe_transfer(float(k), 40 * MB, elapsed_s=2.0, paced_s=1.0)
+    assert le.estimate(30.0).throughput_bytes_s == pytest.approx(40 * MB / (2.0 - 0.04), rel=0.1)
+    # Without news the floor halves every minute, back toward what the full samples say.
+    assert le.estimate(29.0 + 60.0).throughput_bytes_s == pytest.approx(12.5 * MB, rel=0.01)
+
+
+def test_time_spent_yielding_the_line_is_not_its_speed():
+    le = LinkEstimator.from_line(100e6, 0.0)
+    for k in range(40):                   # 25 MB, 4 s, 2 of them yielding to others: 12.5 MB/s
+        le.observe_transfer(float(k), 25 * MB, elapsed_s=4.0, yielded_s=2.0)
+    assert le.estimate(40.0).throughput_bytes_s == pytest.approx(12.5 * MB, rel=0.01)

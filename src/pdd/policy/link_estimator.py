@@ -17,6 +17,11 @@ judged as slow as a cold prompt. So the estimator also fits duration =
 a + bytes / rate over recent transfers of varied sizes (exponentially
 weighted least squares); when the sizes vary enough, the slope gives the rate
 and the intercept, less the RTT, the fixed overhead.
+
+A copy streamed with its prefill waited for P's blocks: P, not the line,
+set its pace, so it only says the line is at least that fast
+(`observe_at_least`: a floor under the estimate). The router and the
+simulator feed the same call with the same kinds of time.
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdd.policy.views import LinkEstimate
+
+
+# A copy that waited for P this long, and this share of its time on the
+# line, was paced by P: it bounds the line's rate from below only.
+PACED_MIN_S = 0.05
+PACED_MIN_SHARE = 0.05
+# A lower bound fades by half over this long without a new one.
+FLOOR_HALF_LIFE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,7 @@ class LinkEstimator:
         self._up = True
         self._last_s: float | None = None
         self.num_samples = 0
+        self._floor, self._floor_s = 0.0, None   # lower bounds from paced copies (`observe_at_least`)
         # Exponentially weighted moments of (MB, seconds) of throughput samples.
         self._mx = self._my = self._mxx = self._mxy = 0.0
 
@@ -88,13 +102,48 @@ class LinkEstimator:
         self._mxx += w * (x * x - self._mxx)
         self._mxy += w * (x * y - self._mxy)
 
-    def observe_transfer(self, now: float, num_bytes: int, elapsed_s: float, handshake_s: float = 0.0) -> None:
-        """A completed transfer as its sender timed it. The receiver may have
-        held its HAVE back while another transfer brought it the same blocks:
-        that is queueing behind a sibling, not the line's speed, so the time
-        beyond one round trip of the handshake is left out."""
+    def observe_transfer(self, now: float, num_bytes: int, elapsed_s: float, handshake_s: float = 0.0,
+                         yielded_s: float = 0.0, paced_s: float = 0.0) -> None:
+        """A completed transfer as its sender timed it.
+
+        Left out of its time on the line: what the receiver held its HAVE
+        back beyond one round trip (another transfer was bringing it the
+        same blocks: queueing behind a sibling) and what a background copy
+        spent yielding the line to others. `paced_s`: the time it waited for
+        P to compute its blocks (streamed with the prefill). Such a copy
+        crossed at P's pace, with the line idle between P's slices, so its
+        rate is only a *lower bound* on the line's (`observe_at_least`).
+        Subtracting the waits instead is wrong the other way: the sender
+        waits while the bytes it wrote last are still in socket buffers on
+        their way, and a cold prompt's copy then looked 10x faster than the
+        line (`results/wan-bound-10`: 127 MB/s estimated on a 12.5 MB/s line).
+        """
         held_back = max(0.0, handshake_s - self._rtt)
-        self.observe(now, num_bytes, max(elapsed_s - held_back, 1e-6))
+        line_s = max(elapsed_s - held_back - yielded_s, 1e-6)
+        if paced_s > max(PACED_MIN_S, PACED_MIN_SHARE * line_s):
+            self.observe_at_least(now, num_bytes, line_s)
+        else:
+            self.observe(now, num_bytes, line_s)
+
+    def observe_at_least(self, now: float, num_bytes: int, duration_s: float) -> None:
+        """A transfer that shows only that the line is at least this fast:
+        it raises a floor under the estimate (halving every FLOOR_HALF_LIFE_S
+        without news), never lowers the rate."""
+        if num_bytes < 0 or duration_s <= 0:
+            raise ValueError("observe_at_least needs num_bytes >= 0 and duration_s > 0")
+        self._tick(now)
+        self._up = True
+        if num_bytes < self.cfg.min_sample_bytes:
+            return
+        sample = num_bytes / max(duration_s - self._rtt, duration_s * 0.1)
+        floor = self._floor_at(now)
+        if sample > floor:
+            self._floor, self._floor_s = floor + self.cfg.alpha * (sample - floor), now
+
+    def _floor_at(self, now: float) -> float:
+        if self._floor_s is None:
+            return 0.0
+        return self._floor * 0.5 ** (max(now - self._floor_s, 0.0) / FLOOR_HALF_LIFE_S)
 
     def _fit(self) -> tuple[float, float] | None:
         """(rate in bytes/s, overhead s) from the two-term fit, when it is trustworthy."""
@@ -124,9 +173,9 @@ class LinkEstimator:
     def estimate(self, now: float) -> LinkEstimate:
         # `now` is part of the contract so that a later version may age stale
         # samples toward the prior; today the estimate does not decay.
-        del now
+        floor = self._floor_at(now)
         fit = self._fit()
         if fit is None:
-            return LinkEstimate(self._throughput, self._rtt, up=self._up)
+            return LinkEstimate(max(self._throughput, floor), self._rtt, up=self._up)
         rate, overhead = fit
-        return LinkEstimate(rate, self._rtt, up=self._up, overhead_s=overhead)
+        return LinkEstimate(max(rate, floor), self._rtt, up=self._up, overhead_s=overhead)

@@ -121,11 +121,11 @@ def note_prefill(ctx: RequestContext, ev: dict) -> None:
     ctx.trace.event("prefill_end", first_token=ev.get("token"))
 
 
-def _line_s(ev: dict) -> float:
-    """A transfer's time on the line: less what it spent yielding to others
-    (background) and waiting for P to compute its blocks (streamed)."""
-    idle = float(ev.get("yielded_s") or 0.0) + float(ev.get("waited_s") or 0.0)
-    return max(float(ev["elapsed_s"]) - idle, 1e-3)
+def _observe(estimator, ev: dict) -> None:
+    """A landed copy's times, as P's sender reports them, into a line's estimator."""
+    estimator.observe_transfer(time.monotonic(), int(ev.get("payload_bytes", 0)), float(ev["elapsed_s"]),
+                               float(ev.get("handshake_s") or 0.0), float(ev.get("yielded_s") or 0.0),
+                               float(ev.get("waited_s") or 0.0))
 
 
 def note_transfer(ctx: RequestContext, ev: dict, cluster: Cluster) -> None:
@@ -136,13 +136,11 @@ def note_transfer(ctx: RequestContext, ev: dict, cluster: Cluster) -> None:
         if link == "wan":
             ctx.trace.wan_bytes += int(ev.get("payload_bytes", 0))
             if ev.get("elapsed_s"):
-                cluster.wan.observe_transfer(time.monotonic(), int(ev.get("payload_bytes", 0)),
-                                             _line_s(ev), float(ev.get("handshake_s") or 0.0))
+                _observe(cluster.wan, ev)
         else:
             ctx.trace.local_bytes += int(ev.get("payload_bytes", 0))
             if ev.get("elapsed_s"):
-                cluster.local.observe_transfer(time.monotonic(), int(ev.get("payload_bytes", 0)),
-                                               _line_s(ev), float(ev.get("handshake_s") or 0.0))
+                _observe(cluster.local, ev)
         ctx.trace.kv_landed_s[ev["target"]] = ev.get("ts", time.time()) - ctx.trace.arrival_s
     elif link == "wan":
         ctx.trace.wan_bytes += int(ev.get("payload_bytes", 0))

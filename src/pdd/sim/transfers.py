@@ -117,6 +117,7 @@ class TransfersMixin:
             # Streamed layer by layer while P computes: paced by P, the
             # rest of the line left to the other transfers.
             cap = nb / max(req.kv_made_by_s - t, 1e-3)
+            self.flow_paced_since[flow_id] = t
         nxt = self.links[msg.link].add(t, flow_id, nb, msg.background, cap_bytes_s=cap)
         return [Event(nxt[0], TransferDone(msg.link, nxt[1]))] if nxt else []
 
@@ -181,6 +182,9 @@ class TransfersMixin:
         layer, their last layer)."""
         evs: list[Event] = []
         for fid, entry in self.flows.items():
+            since = self.flow_paced_since.pop(fid, None) if entry[0] is req else None
+            if since is not None:
+                self.flow_paced[fid] = self.flow_paced.get(fid, 0.0) + now - since
             if entry[0] is req and fid in self.links[entry[5]].flows:
                 nxt = self.links[entry[5]].uncap(now, fid)     # P has made all its KV
                 if nxt:
@@ -191,7 +195,8 @@ class TransfersMixin:
             link = self.links[name]
             tail = min(flow.num_bytes, job.last_chunk * self.model.kv_bytes_per_token) / self.kv_layer_slices
             delay = tail / link.bandwidth_bytes_s + link.rtt_s / 2
-            self.flow_yielded[flow.flow_id] += now + delay - self.loop.now   # waited for P, not the line
+            # waited for P (its last slices), not the line
+            self.flow_paced[flow.flow_id] = self.flow_paced.get(flow.flow_id, 0.0) + now + delay - self.loop.now
             evs.append(self._later(delay, FlowTailArrives(name, flow.flow_id, flow.num_bytes)))
         return evs
 
@@ -229,10 +234,12 @@ class TransfersMixin:
                 return []       # cancelled while its blocks were being imported
             req, kind, dst_id, start, num_bytes, _ = self.flows.pop(flow_id)
             self.flow_steps.pop(flow_id, None)
-            # Time spent yielding the line to foreground flows is not its speed.
-            elapsed = now - start - self.flow_yielded.pop(flow_id, 0.0)
-            self.estimators[link_name].observe_transfer(now, num_bytes, max(elapsed, 1e-6),
-                                                        self.flow_handshake.pop(flow_id, 0.0))
+            # As the router: time spent yielding the line to foreground flows is
+            # not its speed; one paced by P's prefill bounds the line's from below.
+            self.flow_paced_since.pop(flow_id, None)
+            self.estimators[link_name].observe_transfer(
+                now, num_bytes, max(now - start, 1e-6), self.flow_handshake.pop(flow_id, 0.0),
+                self.flow_yielded.pop(flow_id, 0.0), self.flow_paced.pop(flow_id, 0.0))
             if link_name == "wan":
                 req.wan_bytes += num_bytes
             dst = self.instances[dst_id]
@@ -252,7 +259,8 @@ class TransfersMixin:
         evs: list[Event] = []
         if fid in self.flows:
             name = self.flows.pop(fid)[5]
-            self.flow_handshake.pop(fid, None)
+            for table in (self.flow_handshake, self.flow_paced, self.flow_paced_since):
+                table.pop(fid, None)
             self.flow_steps.pop(fid, None)
             nxt = self.links[name].cancel(now, fid)
             evs += [Event(nxt[0], TransferDone(name, nxt[1]))] if nxt else []
@@ -279,7 +287,8 @@ class TransfersMixin:
         evs: list[Event] = []
         for fid in [f for f, entry in self.flows.items() if entry[5] == name]:
             req, _, dst_id = self.flows.pop(fid)[:3]
-            for table in (self.flow_handshake, self.flow_steps, self.flow_yielded):
+            for table in (self.flow_handshake, self.flow_steps, self.flow_yielded, self.flow_paced,
+                          self.flow_paced_since):
                 table.pop(fid, None)
             nxt = link.cancel(now, fid)
             evs += [Event(nxt[0], TransferDone(name, nxt[1]))] if nxt else []
