@@ -70,3 +70,23 @@ def test_shared_efficiency_costs_only_while_flows_share():
     assert drain(core, core.add(20.5, "b", 1.0)) == {"a": pytest.approx(21.75), "b": pytest.approx(22.25)}
     with pytest.raises(ValueError, match="shared_efficiency"):
         Link("core2", 1.0, 0.0, shared_efficiency=0.0)
+
+
+def test_a_streamed_flow_that_yielded_catches_up_with_what_p_has_made():
+    """P makes a 100-byte copy at 5 B/s (done at t=20) on a 10 B/s line; a
+    50-byte foreground copy takes the line for the first 5 s. The real
+    sender then sends every slice P has made meanwhile at the line's rate,
+    levels with P at t=10 and ends with P at t=20 (held to 5 B/s after its
+    yield, it would end at t=25)."""
+    link = Link("wan", 10.0, 0.0)
+    link.add(0.0, "fg", 50)
+    nxt = link.add(0.0, "stream", 100, background=True, cap_bytes_s=5.0)
+    ends = {}
+    for _ in range(10):
+        if nxt is None:
+            break
+        done, nxt = link.complete(nxt[0], nxt[1])
+        for f in done:
+            ends[f.flow_id] = f"{link._last_s:.6f}"
+    assert ends == {"fg": "5.000000", "stream": "20.000000"}
+    assert link.flows == {}

@@ -20,8 +20,12 @@ time, fewest bytes left first; the time they wait is kept per flow
 
 A flow may have a cap of its own (`cap_bytes_s`): a transfer P streams
 while it computes cannot cross faster than P makes its KV, and what it
-leaves of the line goes to the others (max-min fair shares). The caller
-lifts the cap when P is done.
+leaves of the line goes to the others (max-min fair shares). The cap bounds
+what has crossed by what P has made (cap x time since the flow started),
+not the rate at every instant: a flow that fell behind (it yielded, or
+shared the line) goes at its full share until it is level with P again, as
+the real sender sends every slice P has made (`_behind`; the moment it
+levels is an event of its own). The caller lifts the cap when P is done.
 
 A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow;
 the caller delays `add` by `rtt_s`, which keeps this class about bandwidth
@@ -80,6 +84,16 @@ class Link:
         total = self.bandwidth_bytes_s * (self.shared_efficiency if n > 1 else 1.0)
         return min(total / n, self.max_flow_bytes_s)
 
+    def _behind(self, f: Flow) -> bool:
+        """A capped flow that has crossed less than P has made so far."""
+        if f.cap_bytes_s == math.inf:
+            return False
+        made = min(f.num_bytes, f.cap_bytes_s * (self._last_s - f.started_s))
+        return f.num_bytes - f.remaining < made - 1e-6 * max(f.num_bytes, 1.0)
+
+    def _cap(self, f: Flow) -> float:
+        return math.inf if self._behind(f) else f.cap_bytes_s
+
     def _rates(self) -> dict[str, float]:
         """Each flow's rate: the foreground flows share the line evenly, a
         capped one held to its cap and what it leaves split among the others
@@ -93,13 +107,14 @@ class Link:
         n = len(fg) + (1 if bg else 0)
         left = self.bandwidth_bytes_s * (self.shared_efficiency if n > 1 else 1.0)
         rates: dict[str, float] = {}
-        todo = sorted(fg, key=lambda f: f.cap_bytes_s)
+        cap = {f.flow_id: self._cap(f) for f in self.flows.values()}
+        todo = sorted(fg, key=lambda f: cap[f.flow_id])
         while todo:
             share = min(left / len(todo), self.max_flow_bytes_s)
             f = todo[0]
-            if f.cap_bytes_s < share:
-                rates[f.flow_id] = f.cap_bytes_s
-                left -= f.cap_bytes_s
+            if cap[f.flow_id] < share:
+                rates[f.flow_id] = cap[f.flow_id]
+                left -= cap[f.flow_id]
                 todo.pop(0)
                 continue
             for g in todo:
@@ -109,7 +124,7 @@ class Link:
         for f in bg:
             if left <= 1e-9:
                 break
-            rates[f.flow_id] = min(f.cap_bytes_s, left, self.max_flow_bytes_s)
+            rates[f.flow_id] = min(cap[f.flow_id], left, self.max_flow_bytes_s)
             left -= rates[f.flow_id]
         return rates
 
@@ -131,8 +146,16 @@ class Link:
         if not self.flows:
             return None
         rates = self._rates()
-        least = min(self.flows[i].remaining / r for i, r in rates.items() if r > 0)
-        return self._last_s + least, self.version
+        least = min((self.flows[i].remaining / r for i, r in rates.items() if r > 0), default=math.inf)
+        for i, r in rates.items():
+            f = self.flows[i]
+            if r > f.cap_bytes_s and self._behind(f):
+                # it levels with P's making at this rate: its cap applies again then
+                made = f.cap_bytes_s * (self._last_s - f.started_s)
+                least = min(least, (made - (f.num_bytes - f.remaining)) / (r - f.cap_bytes_s))
+        if least == math.inf:
+            return None
+        return self._last_s + max(least, 1e-9), self.version
 
     def add(self, now: float, flow_id: str, num_bytes: float,
             background: bool = False, cap_bytes_s: float | None = None) -> tuple[float, int] | None:
