@@ -90,3 +90,15 @@ def test_a_streamed_flow_that_yielded_catches_up_with_what_p_has_made():
             ends[f.flow_id] = f"{link._last_s:.6f}"
     assert ends == {"fg": "5.000000", "stream": "20.000000"}
     assert link.flows == {}
+
+
+def test_p_s_reported_progress_moves_a_streamed_flow_s_envelope():
+    """P was predicted to make 100 bytes at 5 B/s, but its first step made 60
+    of them by t=4: the copy may carry them at once, not at the predicted pace."""
+    link = Link("wan", 100.0, 0.0)
+    link.add(0.0, "stream", 100, cap_bytes_s=5.0)
+    nxt = link.progress(4.0, "stream", 60, cap_bytes_s=10.0)   # 20 crossed by now; 40 more made
+    done, nxt = link.complete(*nxt)                            # levels with P at t=4 + 40/90
+    assert not done
+    assert link.flows["stream"].num_bytes - link.flows["stream"].remaining == pytest.approx(60 + 10 * 40 / 90)
+    assert drain(link, nxt) == {"stream": pytest.approx(8.0)}  # then P's 10 B/s: the last 40 by t=8

@@ -309,8 +309,13 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         the next step, whichever callback came first.
         """
         due = inst.tick_waiters(inst.current_num_steps)
+        chunks = list(inst.last_chunks)
         out = inst.end_step(now)
         evs: list[Event] = []
+        if inst.role is Role.PREFILL and self.stream_kv:
+            for job, _ in chunks:
+                if job.kind is JobKind.PREFILL and job.req.streamed and job.done < job.num_tokens:
+                    evs += self._prefill_progress(job.req, job, inst.prefill_tokens_s, now)
         inst.at_boundary = True
         try:
             for fn in due:

@@ -301,6 +301,11 @@ class SimInstance:
         self.version += 1
         return times[-1]
 
+    @property
+    def last_chunks(self) -> list[tuple[Job, int]]:
+        """(job, tokens) of the step under way (empty once `end_step` ran)."""
+        return self._chunks
+
     def first_chunks(self) -> list[Job]:
         """Prefill jobs whose first chunk the step under way computes."""
         return [job for job, _ in self._chunks if job.kind is JobKind.PREFILL and job.done == 0]

@@ -25,7 +25,9 @@ what has crossed by what P has made (cap x time since the flow started),
 not the rate at every instant: a flow that fell behind (it yielded, or
 shared the line) goes at its full share until it is level with P again, as
 the real sender sends every slice P has made (`_behind`; the moment it
-levels is an event of its own). The caller lifts the cap when P is done.
+levels is an event of its own). The caller reports P's progress at each of
+its steps (`progress`: a prediction of P's speed is no promise) and lifts
+the cap when P is done.
 
 A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow;
 the caller delays `add` by `rtt_s`, which keeps this class about bandwidth
@@ -47,6 +49,8 @@ class Flow:
     background: bool = False
     yielded_s: float = 0.0
     cap_bytes_s: float = math.inf
+    made_bytes: float = 0.0          # what P had made of it at made_s (`progress`)
+    made_s: float = 0.0
 
 
 class Link:
@@ -88,8 +92,12 @@ class Link:
         """A capped flow that has crossed less than P has made so far."""
         if f.cap_bytes_s == math.inf:
             return False
-        made = min(f.num_bytes, f.cap_bytes_s * (self._last_s - f.started_s))
-        return f.num_bytes - f.remaining < made - 1e-6 * max(f.num_bytes, 1.0)
+        return f.num_bytes - f.remaining < self._made(f) - 1e-6 * max(f.num_bytes, 1.0)
+
+    def _made(self, f: Flow) -> float:
+        """What P has made of a capped flow by now: its last reported progress,
+        then at the cap's rate."""
+        return min(f.num_bytes, f.made_bytes + f.cap_bytes_s * (self._last_s - f.made_s))
 
     def _cap(self, f: Flow) -> float:
         return math.inf if self._behind(f) else f.cap_bytes_s
@@ -151,8 +159,7 @@ class Link:
             f = self.flows[i]
             if r > f.cap_bytes_s and self._behind(f):
                 # it levels with P's making at this rate: its cap applies again then
-                made = f.cap_bytes_s * (self._last_s - f.started_s)
-                least = min(least, (made - (f.num_bytes - f.remaining)) / (r - f.cap_bytes_s))
+                least = min(least, (self._made(f) - (f.num_bytes - f.remaining)) / (r - f.cap_bytes_s))
         if least == math.inf:
             return None
         return self._last_s + max(least, 1e-9), self.version
@@ -166,7 +173,20 @@ class Link:
             raise ValueError(f"{self.name}: a flow's cap must be > 0")
         self._advance(now)
         self.flows[flow_id] = Flow(flow_id, float(num_bytes), float(num_bytes), now, background,
-                                   cap_bytes_s=cap_bytes_s or math.inf)
+                                   cap_bytes_s=cap_bytes_s or math.inf, made_s=now)
+        return self._next()
+
+    def progress(self, now: float, flow_id: str, made_bytes: float,
+                 cap_bytes_s: float | None = None) -> tuple[float, int] | None:
+        """P has made `made_bytes` of a capped flow by now (a step of its
+        prefill ended), and makes the rest at `cap_bytes_s` (unchanged: None)."""
+        f = self.flows.get(flow_id)
+        if f is None or f.cap_bytes_s == math.inf:
+            return None
+        self._advance(now)
+        f.made_bytes, f.made_s = min(float(made_bytes), f.num_bytes), now
+        if cap_bytes_s is not None and cap_bytes_s > 0:
+            f.cap_bytes_s = cap_bytes_s
         return self._next()
 
     def uncap(self, now: float, flow_id: str) -> tuple[float, int] | None:

@@ -176,6 +176,23 @@ class TransfersMixin:
             evs += self._arrive(flow.flow_id, flow.num_bytes, name, ev.time)
         return evs
 
+    def _prefill_progress(self, req: SimRequest, job, rate_tokens_s: float | None, now: float) -> list[Event]:
+        """A step of P's prefill ended: the streamed copies may carry what it has
+        made so far, and the rest at P's measured pace."""
+        evs: list[Event] = []
+        frac = min(job.done / max(job.num_tokens, 1), 1.0)
+        left_s = (job.num_tokens - job.done) / rate_tokens_s if rate_tokens_s else None
+        for fid, entry in self.flows.items():
+            if entry[0] is not req or fid not in self.links[entry[5]].flows:
+                continue
+            link = self.links[entry[5]]
+            nb = link.flows[fid].num_bytes
+            cap = nb * (1 - frac) / max(left_s, 1e-3) if left_s else None
+            nxt = link.progress(now, fid, frac * nb, cap)
+            if nxt:
+                evs.append(Event(nxt[0], TransferDone(entry[5], nxt[1])))
+        return evs
+
     def _tails_after_prefill(self, req: SimRequest, job, now: float) -> list[Event]:
         """The prefill is over: streamed transfers that kept pace land once the
         last chunk's last slice has crossed (its blocks, or, streamed layer by
