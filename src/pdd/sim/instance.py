@@ -128,6 +128,9 @@ class SimInstance:
         self.at_boundary = False             # between two steps, running what waited for it
         self.step_time_s: float | None = None
         self.prefill_tokens_s: float | None = None   # measured as the engine does (stats)
+        # (prompt tokens, seconds) of the last steps that computed prompts: the
+        # engine's `recent_prefill_tokens_s` is their tokens over their time
+        self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=16)
         self.streams_kv = False      # P sends blocks while it computes (set by the cluster)
         self.kv_layer_slices = 1     # ... and a chunk's KV layer by layer (the model's layers; set by the cluster)
         self.busy_s = 0.0
@@ -395,9 +398,12 @@ class SimInstance:
             self.jobs = deque(j for j in self.jobs if id(j) not in done)
         n_pre = sum(c for _, c in self._chunks)
         if n_pre and now > self._start:
-            rate = n_pre / (now - self._start)
-            self.prefill_tokens_s = rate if self.prefill_tokens_s is None else (
-                self.prefill_tokens_s + 0.2 * (rate - self.prefill_tokens_s))
+            # Token-weighted, as the engine: a mean of per-step rates would
+            # weigh a prompt's short tail chunk (mostly fixed cost) as much as
+            # a full one, and P would look ~15% slower than it reports.
+            self._prefill_steps.append((n_pre, now - self._start))
+            self.prefill_tokens_s = (sum(n for n, _ in self._prefill_steps)
+                                     / sum(w for _, w in self._prefill_steps))
         if self._batch:
             if not self._chunks:
                 per = (now - self._start) / k
