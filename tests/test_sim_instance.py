@@ -170,3 +170,19 @@ def test_a_fresh_sequence_recomputes_its_partial_block_in_its_first_step():
     assert fresh[1:] == pytest.approx(plain[1:]) and all(s.first == 1 for s in seqs)
     # 8 more tokens in the first step (10 rows: no factor) against 2 rows at 0.5
     assert fresh[0] > 2 * plain[0]
+
+
+def test_p_reports_its_prefill_rate_as_the_engine_does_tokens_over_time():
+    """A 1,500-token prompt in chunks of 1,000 and 500: the rate P reports is
+    1,500 tokens over the two steps' time (the engine's
+    `recent_prefill_tokens_s`), not the mean of the two steps' rates."""
+    i = inst(budget=1000)
+    i.add_job(Job(req("a", 1500), JobKind.PREFILL, 1500, 0, 94))
+    now, walls = 0.0, []
+    while (t := i.start_step(now)) is not None:
+        i.end_step(t)
+        walls.append(t - now)
+        now = t
+    assert len(walls) == 2
+    assert i.prefill_tokens_s == pytest.approx(1500 / sum(walls))
+    assert i.prefill_tokens_s != pytest.approx((1000 / walls[0] + 500 / walls[1]) / 2, rel=1e-3)
