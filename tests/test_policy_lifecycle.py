@@ -402,7 +402,10 @@ def test_prefill_failure_client_gone_and_deadline_end_the_request():
     assert "prefill failed: oom" in lc.handle(PrefillEnded(0.1, "oom"))[-1].error
     lc, _ = started(RELAY)
     lc.handle(Prefilled(0.5, ref(0)))
-    assert lc.handle(ClientGone(0.6)) == [Finish(Outcome.RELAY, FinishReason.CLIENT_GONE)]
+    # every open decode is aborted (a paused one would never see its stream close)
+    assert lc.handle(ClientGone(0.6)) == [
+        CloseStream(Leg.RLD), Abort(Leg.RLD, "r0"), CloseStream(Leg.MD), Abort(Leg.MD, "m0", keep_kv=True),
+        Finish(Outcome.RELAY, FinishReason.CLIENT_GONE)]
     assert lc.handle(DecodeToken(0.7, Leg.RLD, 0, ref(0))) == []       # nothing after the end
     lc, _ = started(DIRECT)
     assert lc.handle(DeadlinePassed(9.0))[-1].error == "request deadline exceeded"

@@ -177,6 +177,7 @@ class RequestLifecycle(RecoveryRules):
             else:
                 self._md_failed(f.now, f.why, f.healthy)
         elif isinstance(f, ClientGone):
+            self._let_go()
             self._finish(FinishReason.CLIENT_GONE)
         elif isinstance(f, DeadlinePassed):
             raise _Failed("request deadline exceeded")
@@ -416,6 +417,16 @@ class RequestLifecycle(RecoveryRules):
     def _close(self, leg: Leg) -> None:
         self.open_legs.discard(leg)
         self._out.append(CloseStream(leg))
+
+    def _let_go(self) -> None:
+        """The user left: every decode still open is aborted, not only its stream
+        closed. A decode paused for a final batch writes nothing, so its instance
+        would never notice the closed stream and keep the request (MD's copy
+        still lands, for its prefix cache)."""
+        for leg, iid in ((Leg.RLD, self.rld_id), (Leg.MD, self.md_id)):
+            if leg in self.open_legs and iid is not None:
+                self._close(leg)
+                self._out.append(Abort(leg, iid, keep_kv=leg is Leg.MD))
 
     def _finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.done = Finish(self.outcome, reason, error)

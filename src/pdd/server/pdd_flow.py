@@ -107,7 +107,10 @@ class PddRun:
             self.ctx.finish_reason = done.reason.value
         finally:
             if self.lc.done is None:          # the client went away
-                self.lc.handle(io.ClientGone(time.monotonic()))
+                for cmd in self.lc.handle(io.ClientGone(time.monotonic())):
+                    self.log.add(cmd)
+                    if isinstance(cmd, io.Abort):
+                        self.in_lane(cmd)     # behind a pause still on its way; nothing awaited here
             t = self.ctx.trace
             t.eager_tokens = t.rld_tokens
             t.handoff_batches = self.lc.handoff_batches
