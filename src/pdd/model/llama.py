@@ -118,6 +118,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
+        self.eps_t = torch.full((1, 1), eps)   # for fused.rms_scale
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -193,12 +194,12 @@ class LlamaBlock(nn.Module):
         T = x.shape[0]
         pk = self.packed
         H, KVH = self.num_heads, self.num_kv_heads
-        h = rms_scale(x, self.input_layernorm.eps)  # [T, hidden], the norm's weight is in wqkv
+        h = rms_scale(x, self.input_layernorm.eps_t)  # [T, hidden], the norm's weight is in wqkv
         qkv = linear_packed(h, pk["wqkv"]).view(T, H + 2 * KVH, self.head_dim)  # [T, H + 2*KVH, D]
         q, k = rope_(qkv[:, : H + KVH], cos, sin_signed).split([H, KVH], dim=1)  # [T, H, D], [T, KVH, D]
         o = attention(self.layer_idx, q, k, qkv[:, H + KVH :])  # o: [T, H, D]
         x = linear_add(o.reshape(T, self.q_size), pk["wo"], x)  # [T, hidden]
-        h = rms_scale(x, self.post_attention_layernorm.eps)
+        h = rms_scale(x, self.post_attention_layernorm.eps_t)
         return linear_add(mlp(h, pk["w_gate"], pk["w_up"]), pk["w_down"], x)  # [T, hidden]
 
 
