@@ -7,6 +7,11 @@ Tolerances, stated once:
   extend, and every KV value within 1/64 of its block's largest magnitude
   (two bf16 steps: bf16 keeps 8 significant bits, and one pass over 20
   tokens rounds differently from 20 single-token passes);
+* the fused bf16 layers (`pdd.model.fused`) and the plain bf16 path, each
+  against fp32 (tiny model, 60 tokens): logits within 1/16 of fp32's largest
+  magnitude (both measured at ~1/25; they round in different places, so
+  they differ from each other about as much) and fp32's top token at >= 90%
+  of the positions;
 * against fp32 (SmolLM2, 4 chat prompts): the first 6 greedy tokens equal
   on every prompt, and with the fp32 answer fed in (teacher forcing, 48
   tokens each) bf16's top token equals fp32's at >= 90% of the positions.
@@ -31,6 +36,8 @@ from pdd.model.reference import ContiguousAttention, generate_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTEND_KV_RTOL = 1 / 64
+BF16_LOGITS_RTOL = 1 / 16
+BF16_TOP_AGREEMENT = 0.90
 FIRST_TOKENS_EQUAL = 6
 TEACHER_FORCED_AGREEMENT = 0.90
 ANSWER_TOKENS = 48
@@ -84,6 +91,30 @@ def test_kv_bytes_per_token_halve(tiny_model, tiny_bf16):
     assert again.num_cached_tokens == 32 and again.output_token_ids == r16.output_token_ids
     with pytest.raises(KVImportError, match="dtype mismatch"):
         e32.import_kv(blob)
+
+
+def test_bf16_fused_and_plain_layers_both_stay_close_to_fp32(tiny_model, tiny_bf16):
+    """bf16 layers run `forward_fused` (norm weights folded into the packed matrices,
+    SiLU-and-multiply and residual adds as oneDNN post-ops, RoPE in bf16); without
+    packs the plain path runs, the fp32 reference's ops in bf16. Both stay as close
+    to fp32 as bf16 rounding allows."""
+    from model_fixtures import our_logits
+
+    (m32, _), (model, _) = tiny_model, tiny_bf16
+    assert all(layer.fused for layer in model.layers)
+    ids = prompt(7, 60)
+    want = our_logits(m32, ids)
+    try:
+        fused = our_logits(model, ids)
+        model.pack(False)
+        assert not any(layer.fused for layer in model.layers)
+        plain = our_logits(model, ids)
+    finally:
+        model.pack()
+    for got in (fused, plain):
+        assert (got - want).abs().max() <= BF16_LOGITS_RTOL * want.abs().max()
+        agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+        assert agree >= BF16_TOP_AGREEMENT, agree
 
 
 def test_engine_refuses_a_model_in_another_dtype(tiny_model):

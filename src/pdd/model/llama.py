@@ -11,7 +11,10 @@ masking (which tokens see which), so one forward can mix tokens of many
 requests.
 
 Numerics follow HF `LlamaForCausalLM`: RMSNorm in fp32, RoPE with the
-`rotate_half` convention computed in fp32, SiLU-gated MLP.
+`rotate_half` convention computed in fp32, SiLU-gated MLP. That is the
+path fp32 (the exact reference) takes; bf16 layers run the same arithmetic
+in fewer passes (`fused.py`, `LlamaBlock.forward_fused`), rounding in other
+places.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .fused import fold_norm, linear_add, linear_packed, mlp, rms_scale, rope_
 
 # Weight matmuls go through oneDNN with each weight reordered once, at load,
 # into the blocked layout its kernels read (what torch.compile's CPU freezing
@@ -114,6 +118,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
+        self.eps_t = torch.full((1, 1), eps)   # for fused.rms_scale
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -143,13 +148,31 @@ class LlamaBlock(nn.Module):
         self.w_gate_up = _empty_param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
         self.w_down = _empty_param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
         self.packed: dict[str, Tensor | None] = {}   # weight name -> pack_weight copy (set by pack)
+        self.fused = False                            # forward_fused, with its own packs (set by pack)
 
     def pack(self, enabled: bool = True) -> None:
+        """Packed copies for `linear`; in bf16, the fused path's copies instead (norm
+        weights folded in, gate and up apart: `fused.py`), where oneDNN takes them all."""
+        self.packed, self.fused = {}, False
+        if not enabled:
+            return
+        if self.wqkv.dtype == torch.bfloat16:
+            I = self.inter
+            g1, g2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
+            folded = {"wqkv": fold_norm(self.wqkv, g1), "wo": self.wo,
+                      "w_gate": fold_norm(self.w_gate_up[:I], g2), "w_up": fold_norm(self.w_gate_up[I:], g2),
+                      "w_down": self.w_down}
+            packed = {n: pack_weight(w) for n, w in folded.items()}
+            if all(p is not None for p in packed.values()):
+                self.packed, self.fused = packed, True
+                return
         names = ("wqkv", "wo", "w_gate_up", "w_down")
-        self.packed = {n: pack_weight(getattr(self, n)) for n in names} if enabled else {}
+        self.packed = {n: pack_weight(getattr(self, n)) for n in names}
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionFn) -> Tensor:
         # x: [T, hidden]
+        if self.fused:
+            return self.forward_fused(x, cos, sin, attention)
         T = x.shape[0]
         h = self.input_layernorm(x)
         pk = self.packed
@@ -165,6 +188,19 @@ class LlamaBlock(nn.Module):
         gate_up = linear(h, self.w_gate_up, pk.get("w_gate_up"))  # gate_up: [T, 2*I]
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return x + linear(F.silu(gate) * up, self.w_down, pk.get("w_down"))  # [T, hidden]
+
+    def forward_fused(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attention: AttentionFn) -> Tensor:
+        """`forward` in fewer passes (bf16; `fused.py`): cos, sin_signed [T, 1, D] in x's dtype."""
+        T = x.shape[0]
+        pk = self.packed
+        H, KVH = self.num_heads, self.num_kv_heads
+        h = rms_scale(x, self.input_layernorm.eps_t)  # [T, hidden], the norm's weight is in wqkv
+        qkv = linear_packed(h, pk["wqkv"]).view(T, H + 2 * KVH, self.head_dim)  # [T, H + 2*KVH, D]
+        q, k = rope_(qkv[:, : H + KVH], cos, sin_signed).split([H, KVH], dim=1)  # [T, H, D], [T, KVH, D]
+        o = attention(self.layer_idx, q, k, qkv[:, H + KVH :])  # o: [T, H, D]
+        x = linear_add(o.reshape(T, self.q_size), pk["wo"], x)  # [T, hidden]
+        h = rms_scale(x, self.post_attention_layernorm.eps_t)
+        return linear_add(mlp(h, pk["w_gate"], pk["w_up"]), pk["w_down"], x)  # [T, hidden]
 
 
 class LlamaModel(nn.Module):
@@ -210,6 +246,9 @@ class LlamaModel(nn.Module):
                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
             )
         cos, sin = self._rope(positions)
+        if self.layers and self.layers[0].fused:      # bf16 RoPE, as HF's Llama in bf16 (fused.rope_)
+            half = cos.shape[-1] // 2
+            cos, sin = cos.to(self.dtype), torch.cat((-sin[..., :half], sin[..., half:]), -1).to(self.dtype)
         x = F.embedding(input_ids, self.embed_tokens)  # x: [T, hidden]
         for layer in self.layers:
             x = layer(x, cos, sin, attention)
