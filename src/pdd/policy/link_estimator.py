@@ -81,18 +81,26 @@ class LinkEstimator:
     def _fold(self, old: float, sample: float) -> float:
         return old + self.cfg.alpha * (sample - old)
 
-    def observe(self, now: float, num_bytes: int, duration_s: float) -> None:
-        """A completed transfer: `num_bytes` delivered in `duration_s` (handshake included)."""
+    def _landed(self, now: float, num_bytes: int, duration_s: float, what: str) -> float | None:
+        """A transfer that delivered: check, note the time and that the link is
+        up; its rate (bytes over the time less one round trip), or None for one
+        too small to say anything about bandwidth."""
         if num_bytes < 0 or duration_s <= 0:
-            raise ValueError("observe needs num_bytes >= 0 and duration_s > 0")
+            raise ValueError(f"{what} needs num_bytes >= 0 and duration_s > 0")
         self._tick(now)
         self._up = True
         if num_bytes < self.cfg.min_sample_bytes:
+            return None
+        return num_bytes / max(duration_s - self._rtt, duration_s * 0.1)
+
+    def observe(self, now: float, num_bytes: int, duration_s: float) -> None:
+        """A completed transfer: `num_bytes` delivered in `duration_s` (handshake included)."""
+        sample = self._landed(now, num_bytes, duration_s, "observe")
+        if sample is None:
             # A small transfer is mostly the round trip: it bounds the RTT.
             self._rtt = self._fold(self._rtt, duration_s)
             return
-        payload_s = max(duration_s - self._rtt, duration_s * 0.1)
-        self._throughput = self._fold(self._throughput, num_bytes / payload_s)
+        self._throughput = self._fold(self._throughput, sample)
         self.num_samples += 1
         # The first samples weigh equally, later ones exponentially.
         w = max(self.cfg.alpha, 1.0 / self.num_samples)
@@ -129,13 +137,9 @@ class LinkEstimator:
         """A transfer that shows only that the line is at least this fast:
         it raises a floor under the estimate (halving every FLOOR_HALF_LIFE_S
         without news), never lowers the rate."""
-        if num_bytes < 0 or duration_s <= 0:
-            raise ValueError("observe_at_least needs num_bytes >= 0 and duration_s > 0")
-        self._tick(now)
-        self._up = True
-        if num_bytes < self.cfg.min_sample_bytes:
+        sample = self._landed(now, num_bytes, duration_s, "observe_at_least")
+        if sample is None:
             return
-        sample = num_bytes / max(duration_s - self._rtt, duration_s * 0.1)
         floor = self._floor_at(now)
         if sample > floor:
             self._floor, self._floor_s = floor + self.cfg.alpha * (sample - floor), now
@@ -171,8 +175,7 @@ class LinkEstimator:
         self._up = False
 
     def estimate(self, now: float) -> LinkEstimate:
-        # `now` is part of the contract so that a later version may age stale
-        # samples toward the prior; today the estimate does not decay.
+        # The samples do not age; only the floor from paced copies fades with `now`.
         floor = self._floor_at(now)
         fit = self._fit()
         if fit is None:

@@ -37,8 +37,11 @@ from pdd.server.flows import (
 from pdd.server.wire import InternalClient
 
 _ENDS = {r.value: r for r in io.EndReason}
-# Control calls sent in order per instance, off the fact loop (`PddRun.in_lane`).
-_LANED = (io.ExtendMd, io.PauseRld, io.ResumeRld)
+
+
+def _laned(cmd) -> bool:
+    """A control call sent in order per instance, off the fact loop (`PddRun.in_lane`)."""
+    return isinstance(cmd, (io.ExtendMd, io.PauseRld, io.ResumeRld)) or isinstance(cmd, io.Abort) and cmd.background
 
 
 class PddRun:
@@ -109,7 +112,7 @@ class PddRun:
             if self.lc.done is None:          # the client went away
                 for cmd in self.lc.handle(io.ClientGone(time.monotonic())):
                     self.log.add(cmd)
-                    if isinstance(cmd, io.Abort):
+                    if _laned(cmd):
                         self.in_lane(cmd)     # behind a pause still on its way; nothing awaited here
             t = self.ctx.trace
             t.eager_tokens = t.rld_tokens
@@ -225,7 +228,7 @@ class PddRun:
         for cmd in cmds if not logged else ():
             self.log.add(cmd)
         for cmd in cmds:
-            if isinstance(cmd, _LANED) or isinstance(cmd, io.Abort) and cmd.background:
+            if _laned(cmd):
                 self.in_lane(cmd)
             else:
                 await self.carry_out(cmd)

@@ -309,10 +309,12 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         the next step, whichever callback came first.
         """
         due = inst.tick_waiters(inst.current_num_steps)
-        chunks = list(inst.last_chunks)
+        # P's chunks of the step that ends (`end_step` starts a new list): the
+        # copies it streams learn its progress. Only P's: this runs every step.
+        chunks = inst.last_chunks if inst.role is Role.PREFILL and self.stream_kv else ()
         out = inst.end_step(now)
         evs: list[Event] = []
-        if inst.role is Role.PREFILL and self.stream_kv:
+        if chunks:
             for job, _ in chunks:
                 if job.kind is JobKind.PREFILL and job.req.streamed and job.done < job.num_tokens:
                     evs += self._prefill_progress(job.req, job, inst.prefill_tokens_s, now)

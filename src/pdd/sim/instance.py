@@ -306,7 +306,7 @@ class SimInstance:
 
     @property
     def last_chunks(self) -> list[tuple[Job, int]]:
-        """(job, tokens) of the step under way (empty once `end_step` ran)."""
+        """(job, tokens) of the step under way (`end_step` starts a new list)."""
         return self._chunks
 
     def first_chunks(self) -> list[Job]:
