@@ -106,9 +106,12 @@ class ModelRunner:
 
     def release_idle_memory(self) -> None:
         """Nothing left to run: hand the decode rows' buffer back (up to ~190 MB in fp32);
-        the next decode batch allocates and fills it again."""
+        the next decode batch allocates and fills it again. Then ask the C allocator to
+        return the free pages it keeps (a step's activations, the senders' copies of
+        blocks): an idle process gives back what its busiest moment took."""
         if self.rows is not None:
             self.rows.release()
+        _trim_heap()
 
     # -- whole blocks as bytes ------------------------------------------------
     def _block_view(self, block_id: int) -> torch.Tensor:
@@ -134,3 +137,19 @@ class ModelRunner:
         view = self._block_view(block_id)
         src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(view.shape)
         view.copy_(src)
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim(0), where there is one (a no-op elsewhere)."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
