@@ -102,12 +102,23 @@ class DeploymentSpec:
     links: tuple[LinkSpec, ...] = ()
     policy: dict = field(default_factory=dict)
     request_timeout_s: float = 300.0
+    # How long KV nobody waits on may take to land: a warm push after the
+    # answer, a decode call's wait without a deadline of its own. A request's
+    # own copies have the request's deadline (`server.flows.target`).
     kv_deadline_s: float = 60.0
     tls: TlsSpec = field(default_factory=TlsSpec)
     # A decoding instance silent this long while it should stream counts as
     # gone for that request (RLD -> MD takes over; MD -> RLD carries on).
     stream_stall_s: float = 30.0
+    # A KV transfer's peer silent this long (no frame, not even the WAIT a
+    # live but queued or busy side sends every kv_keepalive_s) is dead, or
+    # its line cut: the transfer fails.
+    kv_stall_s: float = 30.0
     source: Path | None = None
+
+    @property
+    def kv_keepalive_s(self) -> float:
+        return min(5.0, self.kv_stall_s / 4)
 
     @property
     def mode(self) -> str:
@@ -249,9 +260,10 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
             raise SpecError(f"{w}: bandwidth must be > 0, latency and jitter >= 0")
         links.append(link)
     timeouts = doc.get("timeouts", {})
-    _unknown(timeouts, {"request_s", "kv_deadline_s", "stream_stall_s"}, "timeouts")
-    if _take(timeouts, "stream_stall_s", float, "timeouts", 30.0) <= 0:
-        raise SpecError("timeouts.stream_stall_s must be > 0")
+    _unknown(timeouts, {"request_s", "kv_deadline_s", "stream_stall_s", "kv_stall_s"}, "timeouts")
+    for key in ("stream_stall_s", "kv_stall_s"):
+        if _take(timeouts, key, float, "timeouts", 30.0) <= 0:
+            raise SpecError(f"timeouts.{key} must be > 0")
     spec = DeploymentSpec(
         name=name, model=_take(model, "path", str, "model", "default"),
         router_host=_take(router, "host", str, "router", "127.0.0.1"),
@@ -263,6 +275,7 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
         request_timeout_s=_take(timeouts, "request_s", float, "timeouts", 300.0),
         kv_deadline_s=_take(timeouts, "kv_deadline_s", float, "timeouts", 60.0),
         stream_stall_s=_take(timeouts, "stream_stall_s", float, "timeouts", 30.0),
+        kv_stall_s=_take(timeouts, "kv_stall_s", float, "timeouts", 30.0),
         tls=_tls(doc.get("tls", {}), source), source=source,
     )
     _check_topology(spec)

@@ -108,10 +108,18 @@ def prefill_body(ctx: RequestContext, cluster: Cluster, p: Member, targets: list
 
 def target(cluster: Cluster, p: Member, t: Member, ctx: RequestContext, background: bool = False) -> dict:
     """Where P sends the KV; `background`: the copy yields the line to the
-    transfers a user waits on (`pdd.policy.copy_yields_line`)."""
+    transfers a user waits on (`pdd.policy.copy_yields_line`).
+
+    The copy may take as long as its request may: a streamed copy starts
+    with P's first chunk and a yielding one waits its turn, so under
+    overload a healthy copy can take minutes (P's queue, the line's); a
+    fixed cap would fail it and push its request onto RLD (failover), or,
+    in a PD baseline, fail the request. A dead or silent peer is caught by
+    the transport's stall timeout (the sender's WAIT frames keep a queued
+    copy alive), a cut link by the connection."""
     a = cluster.kv_address(t.spec.name, p.spec.name)
     return {"name": t.spec.name, "host": a.host, "kv_port": a.kv_port, "link": a.link,
-            "deadline_s": min(cluster.spec.kv_deadline_s, ctx.remaining_s()), "background": background}
+            "deadline_s": ctx.remaining_s(), "background": background}
 
 
 def note_prefill(ctx: RequestContext, ev: dict) -> None:

@@ -121,10 +121,13 @@ class InstanceServer:
         if inst.role.decodes:
             kv_tls = tls.server_context(self._tls_files()) if tls.kv_tls(spec, inst) else None
             self.receiver = await KVReceiver.start(inst.host, inst.kv_port, self.keys.kv, self,
-                                                   tls=kv_tls, tls_peers=tls.kv_senders(spec))
+                                                   tls=kv_tls, tls_peers=tls.kv_senders(spec),
+                                                   stall_timeout_s=spec.kv_stall_s,
+                                                   keepalive_s=spec.kv_keepalive_s)
         if inst.role == Role.PREFILL:
             peers = tls.kv_peers(spec, inst, self._tls_files()) if tls.uses_tls(spec) else {}
-            self.sender = KVSender(self.keys.kv, tls=lambda host, port: peers.get((host, port)), seal_blocks=True)
+            self.sender = KVSender(self.keys.kv, tls=lambda host, port: peers.get((host, port)), seal_blocks=True,
+                                   stall_timeout_s=spec.kv_stall_s, keepalive_s=spec.kv_keepalive_s)
         runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
         http_tls = None

@@ -24,6 +24,10 @@ silently wrong KV. Payloads (big-endian):
                [| meta JSON: what the sender learnt while streaming, e.g. P's first token]
     ERROR      utf8 message
     CANCEL     utf8 reason
+    WAIT       utf8 reason: the sender is alive with nothing to send yet (P is
+               still computing the next block, or a background copy waits its
+               turn on the line); it resets the receiver's stall timer, so
+               "stalled" means a silent peer, not a queued one
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class FrameType(IntEnum):
     ERROR = 8
     CANCEL = 9
     PART = 10
+    WAIT = 11
 
 
 class FrameError(Exception):
@@ -139,7 +144,12 @@ class Cancel(_Frame):
     reason: str
 
 
-Frame = Union[Hello, Challenge, Auth, Begin, Have, Block, Part, End, Error, Cancel]
+@dataclass
+class Wait(_Frame):
+    reason: str
+
+
+Frame = Union[Hello, Challenge, Auth, Begin, Have, Block, Part, End, Error, Cancel, Wait]
 
 
 def encode_frame(ftype: FrameType, payload: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
@@ -210,6 +220,10 @@ def encode_error(message: str) -> bytes:
 
 def encode_cancel(reason: str) -> bytes:
     return encode_frame(FrameType.CANCEL, reason.encode()[:4096])
+
+
+def encode_wait(reason: str) -> bytes:
+    return encode_frame(FrameType.WAIT, reason.encode()[:256])
 
 
 def _exact(value: bytes, n: int, what: str) -> bytes:
@@ -333,6 +347,8 @@ def _parse(ftype: int, body: memoryview) -> Frame:
             return End(n, meta)
         if kind == FrameType.ERROR:
             return Error(data.decode(errors="replace"))
+        if kind == FrameType.WAIT:
+            return Wait(data.decode(errors="replace"))
         return Cancel(data.decode(errors="replace"))
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise FrameError(f"malformed {kind.name} frame: {e}") from None

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, server_handshake
 from pdd.transport.frames import (
-    DEFAULT_MAX_FRAME_BYTES, Begin, Block, Cancel, End, Error, FrameError, Part, encode_end, encode_error, encode_have,
+    DEFAULT_MAX_FRAME_BYTES, Begin, Block, Cancel, End, Error, FrameError, Part, Wait, encode_end, encode_error, encode_have,
 )
 from pdd.transport.state import TransferState, TransferStatus
 from pdd.transport.stream import STREAM_LIMIT_BYTES, FrameStream
@@ -42,7 +42,8 @@ from pdd.transport.tls import peer_names
 log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_TIMEOUT_S = 120.0  # an idle (between transfers) connection is closed silently
-DEFAULT_STALL_TIMEOUT_S = 30.0  # no frame for this long mid-transfer: FAILED
+DEFAULT_STALL_TIMEOUT_S = 30.0  # no frame (not even a WAIT) for this long mid-transfer: FAILED
+DEFAULT_KEEPALIVE_S = 5.0       # a WAIT this often while we hold HAVE back or import (the sender's stall timeout)
 DEFAULT_DEADLINE_GRACE_S = 1.0  # on top of the sender's deadline carried in BEGIN
 # Strangers mid-handshake per port. Senders open at most MAX_HANDSHAKES_PER_PEER
 # (kv_sender.py) at once per receiver, so a few prefill instances fit beneath.
@@ -103,7 +104,7 @@ class KVReceiver:
                  auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, deadline_grace_s: float = DEFAULT_DEADLINE_GRACE_S,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED):
+                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED, keepalive_s: float = DEFAULT_KEEPALIVE_S):
         self.secret = as_secret(secret)
         self.max_unauthenticated = max_unauthenticated
         self.num_unauthenticated = 0
@@ -111,6 +112,7 @@ class KVReceiver:
         self.auth_timeout_s = auth_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.stall_timeout_s = stall_timeout_s
+        self.keepalive_s = keepalive_s
         self.deadline_grace_s = deadline_grace_s
         self.max_frame_bytes = max_frame_bytes
         self.stats = ReceiverStats()
@@ -160,8 +162,11 @@ class KVReceiver:
             if self.tls_peers is not None and not peer_names(writer) & self.tls_peers:
                 # The CA vouched for the certificate, but it names no instance allowed to send KV here.
                 self.stats.num_auth_failures += 1
-                log.warning("kv receiver: dropped %s: certificate for %s may not send KV", stream.peer,
-                            sorted(peer_names(writer)) or "no name")
+                names = sorted(peer_names(writer)) or "no name"
+                log.warning("kv receiver: dropped %s: certificate for %s may not send KV", stream.peer, names)
+                # Said, not only done: a sender tries again after a silent close (the
+                # receiver's auth timeout under load), but not after a refusal.
+                stream.write(encode_error(f"certificate for {names} may not send KV here"))
                 return
             self.num_unauthenticated += 1
             try:
@@ -201,6 +206,10 @@ class KVReceiver:
         deadline = None
         if begin.deadline_s > 0:
             deadline = time.monotonic() + begin.deadline_s + self.deadline_grace_s
+        # While the transfer runs, the sender hears from us at least every
+        # keepalive_s: HAVE held back, blocks imported slowly (backpressure)
+        # or the END ack after the import are a busy receiver, not a dead one.
+        ticker = stream.keepalive(self.keepalive_s, "busy")
         try:
             try:
                 async with asyncio.timeout_at(self._loop_deadline(deadline)):
@@ -235,8 +244,11 @@ class KVReceiver:
                     status.meta.update(frame.meta)   # learnt while streaming (P's first token)
                     status.succeed(time.monotonic())
                     await self._finish(status)
+                    ticker.cancel()
                     stream.write(encode_end(status.num_blocks_sent))
                     return True
+                elif isinstance(frame, Wait):
+                    continue        # a live sender with nothing to send yet: only the stall timer cares
                 elif isinstance(frame, Cancel):
                     status.cancelled = True
                     raise _TransferFailed(f"cancelled by sender: {frame.reason}")
@@ -262,6 +274,8 @@ class KVReceiver:
             if refused:
                 await _let_sender_read_error(stream)
             return False
+        finally:
+            ticker.cancel()
 
     @staticmethod
     def _loop_deadline(deadline: float | None) -> float | None:
@@ -271,18 +285,18 @@ class KVReceiver:
         return asyncio.get_running_loop().time() + (deadline - time.monotonic())
 
     async def _next_frame(self, stream: FrameStream, status: TransferStatus, deadline: float | None):
-        timeout = self.stall_timeout_s
-        if deadline is not None:
-            timeout = min(timeout, deadline - time.monotonic())
+        """The sender's next frame; it is stalled once no byte (a WAIT at
+        least) came for stall_timeout_s."""
         try:
-            if timeout <= 0:
+            if deadline is not None and deadline <= time.monotonic():
                 raise TimeoutError
-            return await stream.read_frame(timeout)
+            async with asyncio.timeout_at(self._loop_deadline(deadline)):
+                return await stream.read_frame(self.stall_timeout_s, idle=True)
         except TimeoutError:
             where = f"after {status.num_blocks_sent} of {status.num_blocks - status.num_blocks_skipped} missing blocks"
             if deadline is not None and time.monotonic() >= deadline - 1e-3:
                 raise TimeoutError(f"transfer deadline passed {where}") from None
-            raise TimeoutError(f"sender stalled: no frame for {self.stall_timeout_s} s {where}") from None
+            raise TimeoutError(f"sender stalled: nothing for {self.stall_timeout_s} s {where}") from None
 
     def _assemble(self, begin: Begin, missing: set[int], partial: dict[int, list], part: Part) -> Block | None:
         """One slice of a block; the whole block once its last slice is in."""

@@ -54,6 +54,14 @@ PartSource = Callable[[set[int]], AsyncIterator[tuple[int, int, int, bytes]]]
 TlsResolver = Callable[[str, int], Union[TlsPeer, None]]
 DEFAULT_DEADLINE_S = 60.0
 MAX_HANDSHAKES_PER_PEER = 8   # below the receiver's DEFAULT_MAX_UNAUTHENTICATED (32)
+# A WAIT this often while a transfer has nothing to write (P still computing,
+# or a background copy waiting its turn), well inside the receiver's stall
+# timeout (30 s): a queued transfer is not a stalled one.
+DEFAULT_KEEPALIVE_S = 5.0
+BOOTSTRAP_TRIES = 3
+# The receiver silent this long (no frame, not even a WAIT) while we wait for
+# its HAVE or its END ack: a dead peer or a cut line, not a busy one.
+DEFAULT_STALL_TIMEOUT_S = 30.0
 
 
 class _PeerError(Exception):
@@ -61,6 +69,10 @@ class _PeerError(Exception):
 
 
 class _ConnectFailed(Exception):
+    pass
+
+
+class _HandshakeTimeout(AuthError):
     pass
 
 
@@ -103,7 +115,8 @@ class KVSender:
                  auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S, idle_keep_s: float = 30.0,
                  max_idle_per_peer: int = 8, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                  max_handshakes_per_peer: int = MAX_HANDSHAKES_PER_PEER,
-                 tls: TlsResolver | None = None, seal_blocks: bool = False):
+                 tls: TlsResolver | None = None, seal_blocks: bool = False,
+                 keepalive_s: float = DEFAULT_KEEPALIVE_S, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
         """tls: which peers speak TLS and the name each must prove. seal_blocks:
         each BLOCK carries the SHA-256 of its bytes (kv_codec.seal_block), taken
         as get_block returns them, for the receiver to check at import."""
@@ -116,7 +129,10 @@ class KVSender:
         self.idle_keep_s = idle_keep_s
         self.max_idle_per_peer = max_idle_per_peer
         self.max_frame_bytes = max_frame_bytes
+        self.keepalive_s = keepalive_s
+        self.stall_timeout_s = stall_timeout_s
         self.num_connections_opened = 0
+        self.num_bootstrap_retries = 0
         self.num_connections_reused = 0
         self.max_handshakes_per_peer = max_handshakes_per_peer
         self._idle: dict[tuple[str, int], list[tuple[FrameStream, float]]] = {}
@@ -197,6 +213,22 @@ class KVSender:
         async with turn:
             return await self._connect(host, port)
 
+    async def _bootstrap(self, host: str, port: int, line: str | None) -> FrameStream:
+        """`_acquire`, again (up to BOOTSTRAP_TRIES in all, backing off) when
+        a connection is lost or the handshake times out before BEGIN: under
+        load either side's event loop can be slow enough for the other's auth
+        timeout, and nothing of the transfer has reached the receiver yet. A
+        refused connection or a refused key fails at once."""
+        for attempt in range(BOOTSTRAP_TRIES):
+            try:
+                return await self._acquire(host, port, line)
+            except (ConnectionError, OSError, AuthError) as e:
+                if attempt == BOOTSTRAP_TRIES - 1 or (isinstance(e, AuthError) and not isinstance(e, _HandshakeTimeout)):
+                    raise
+                self.num_bootstrap_retries += 1
+                await asyncio.sleep(0.1 * 4 ** attempt)
+        raise AssertionError("unreachable")
+
     async def _connect(self, host: str, port: int) -> FrameStream:
         peer = self.tls(host, port) if self.tls is not None else None
         tls_kw = {} if peer is None else {"ssl": peer.context, "server_hostname": peer.name,
@@ -218,7 +250,7 @@ class KVSender:
             await client_handshake(stream, self.secret, self.auth_timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             stream.abort()
-            raise AuthError(f"no CHALLENGE from {host}:{port} within {self.auth_timeout_s} s") from None
+            raise _HandshakeTimeout(f"no CHALLENGE from {host}:{port} within {self.auth_timeout_s} s") from None
         except ssl.SSLError as e:  # TLS 1.3: the receiver judges our certificate after the handshake
             stream.abort()
             raise _ConnectFailed(f"TLS with {host}:{port} refused by the receiver: {e.reason or e}") from None
@@ -226,6 +258,17 @@ class KVSender:
             stream.abort()
             raise
         return stream
+
+    async def _ack(self, stream: FrameStream, answer: asyncio.Future, dest: tuple[str, int]):
+        """The receiver's answer to END, while it keeps saying it is alive
+        (WAITs while it imports)."""
+        while True:
+            done, _ = await asyncio.wait({answer}, timeout=self.stall_timeout_s)
+            if done:
+                return answer.result()
+            if time.monotonic() - stream.last_read_s >= self.stall_timeout_s:
+                raise _PeerError(f"no END ack from {dest[0]}:{dest[1]}: the receiver sent nothing for "
+                                 f"{self.stall_timeout_s:g} s")
 
     def _release(self, host: str, port: int, stream: FrameStream) -> None:
         conns = self._idle.setdefault((host, port), [])
@@ -239,7 +282,10 @@ class KVSender:
         mine = frozenset(hashes)
         waiting.append(mine)
         try:
-            return await stream.read_frame(None)
+            return await stream.read_answer(self.stall_timeout_s)
+        except TimeoutError:
+            raise _PeerError(f"no HAVE from {dest[0]}:{dest[1]}: the receiver sent nothing for "
+                             f"{self.stall_timeout_s:g} s") from None
         finally:
             waiting.remove(mine)
             if not waiting:
@@ -249,27 +295,21 @@ class KVSender:
         """A transfer to `dest` waits for HAVE and needs this copy's blocks."""
         return any(last_hash in w for w in self._awaiting_have.get(dest, ()))
 
-    async def _write_block(self, stream: FrameStream, frame: bytes, line: str | None, background: bool,
+    async def _write_frame(self, stream: FrameStream, frame: bytes, line: str | None, background: bool,
                            status: TransferStatus, dest: tuple[str, int], last_hash: bytes) -> None:
-        """One BLOCK frame: whole, or (background) in slices, each after the
-        foreground transfers on the line are through."""
-        if line is None or not background:
+        """One frame, in one write (so a keepalive WAIT never lands
+        inside it); a background one (a slice of at most SLICE_BYTES) after
+        the foreground transfers on the line are through, in its turn."""
+        held = line is not None and background and not self._awaited(dest, last_hash)
+        if held:
+            left = status.num_blocks - status.num_blocks_skipped - status.num_blocks_sent + 1
+            status.yielded_s += await self.gate.turn(line, id(status), left)
+        try:
             status.bytes_sent += stream.write(frame)
             await stream.drain()
-            return
-        view = memoryview(frame)
-        key = id(status)
-        left = status.num_blocks - status.num_blocks_skipped - status.num_blocks_sent + 1
-        for off in range(0, len(frame), SLICE_BYTES):
-            held = not self._awaited(dest, last_hash)
+        finally:
             if held:
-                status.yielded_s += await self.gate.turn(line, key, left)
-            try:
-                status.bytes_sent += stream.write(view[off:off + SLICE_BYTES])
-                await stream.drain()
-            finally:
-                if held:
-                    self.gate.release(line, key)
+                self.gate.release(line, id(status))
 
     async def _send_blocks(self, handle: TransferHandle, stream: FrameStream, answer: asyncio.Future,
                            hashes: list[bytes], held: set[int], get_block: Callable, parts: PartSource | None,
@@ -297,21 +337,26 @@ class KVSender:
                     handle.holds_line = line
                     self.gate.enter(line)
                 i, offset, total, data = item
-                last = offset + len(data) >= total
-                if offset == 0 and last:
-                    wire = seal_block(data) if self.seal_blocks else data
-                    frame = encode_block(i, hashes[i], wire, self.max_frame_bytes)
-                else:
-                    digest = None
-                    if self.seal_blocks:
-                        h = digests.setdefault(i, hashlib.sha256())
-                        h.update(data)
-                        if last:
-                            digest = digests.pop(i).digest()
-                    frame = encode_part(i, hashes[i], offset, total, data, digest, self.max_frame_bytes)
-                status.num_blocks_sent += last
-                status.payload_bytes += len(data)
-                await self._write_block(stream, frame, line, background, status, dest, hashes[-1])
+                # A background copy goes in slices (PART frames), one per turn on the line.
+                step = SLICE_BYTES if line is not None and background else max(len(data), 1)
+                view = memoryview(data)
+                for k in range(0, max(len(data), 1), step):
+                    piece, at = view[k:k + step], offset + k
+                    last = at + len(piece) >= total
+                    if at == 0 and last:
+                        wire = seal_block(data) if self.seal_blocks else data
+                        frame = encode_block(i, hashes[i], wire, self.max_frame_bytes)
+                    else:
+                        digest = None
+                        if self.seal_blocks:
+                            h = digests.setdefault(i, hashlib.sha256())
+                            h.update(piece)
+                            if last:
+                                digest = digests.pop(i).digest()
+                        frame = encode_part(i, hashes[i], at, total, piece, digest, self.max_frame_bytes)
+                    status.num_blocks_sent += last
+                    status.payload_bytes += len(piece)
+                    await self._write_frame(stream, frame, line, background, status, dest, hashes[-1])
         finally:
             await source.aclose()
 
@@ -337,7 +382,7 @@ class KVSender:
         stream: FrameStream | None = None
         try:
             async with asyncio.timeout(deadline_s):
-                stream = await self._acquire(host, port, line)
+                stream = await self._bootstrap(host, port, line)
                 if self.seal_blocks:
                     meta = meta | {"block_digest": BLOCK_DIGEST}
                 status.bytes_sent += stream.write(encode_begin(status.request_id, meta, hashes, deadline_s,
@@ -363,7 +408,8 @@ class KVSender:
                 # mid-transfer (a block failing its seal, a handler error) says why
                 # in an ERROR and closes; stop at once and report that reason, not
                 # the reset our next write would meet.
-                answer = asyncio.ensure_future(stream.read_frame(None))
+                answer = asyncio.ensure_future(stream.read_answer(None))
+                ticker = stream.keepalive(self.keepalive_s, "nothing to send yet")
                 try:
                     await self._send_blocks(handle, stream, answer, hashes, have.indices, get_block, parts,
                                             line, background, (host, port))
@@ -373,9 +419,10 @@ class KVSender:
                         t0 = time.monotonic()
                         extra = await finish()
                         status.waited_s += time.monotonic() - t0
+                    ticker.cancel()
                     if not answer.done():
                         status.bytes_sent += stream.write(encode_end(status.num_blocks_sent, extra))
-                    ack = await answer
+                    ack = await self._ack(stream, answer, (host, port))
                 except (ConnectionError, OSError):
                     await asyncio.sleep(0)       # let a frame that arrived before the reset be read
                     if answer.done() and not answer.cancelled() and answer.exception() is None \
@@ -383,6 +430,7 @@ class KVSender:
                         raise _PeerError(f"receiver failed transfer: {answer.result().message}") from None
                     raise
                 finally:
+                    ticker.cancel()
                     if not answer.done():
                         answer.cancel()
                     elif not answer.cancelled():

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 from collections import deque
 
-from pdd.transport.frames import DEFAULT_MAX_FRAME_BYTES, Frame, FrameDecoder
+from pdd.transport.frames import DEFAULT_MAX_FRAME_BYTES, Frame, FrameDecoder, Wait, encode_wait
 
 READ_BYTES = 256 * 1024
 STREAM_LIMIT_BYTES = 1024 * 1024  # StreamReader pauses the socket above 2x this
@@ -28,6 +29,7 @@ class FrameStream:
         self._pending: deque[Frame] = deque()
         self.num_bytes_written = 0
         self.num_bytes_read = 0
+        self.last_write_s = self.last_read_s = time.monotonic()
         sock = writer.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -37,21 +39,51 @@ class FrameStream:
         peer = self.writer.get_extra_info("peername")
         return f"{peer[0]}:{peer[1]}" if peer else "?"
 
-    async def read_frame(self, timeout_s: float | None) -> Frame:
-        """Next frame. Raises TimeoutError, ConnectionError (peer closed or reset),
-        FrameError (corrupt stream)."""
-        async with asyncio.timeout(timeout_s):
+    async def read_frame(self, timeout_s: float | None, *, idle: bool = False) -> Frame:
+        """Next frame. Raises TimeoutError (after `timeout_s`; with `idle`,
+        once no byte came for `timeout_s`: a big frame on a slow line is
+        progress), ConnectionError (peer closed or reset), FrameError
+        (corrupt stream)."""
+        async with asyncio.timeout(None if idle else timeout_s):
             while not self._pending:
-                data = await self.reader.read(READ_BYTES)
+                async with asyncio.timeout(timeout_s if idle else None):
+                    data = await self.reader.read(READ_BYTES)
                 if not data:
                     raise ConnectionError("peer closed the connection")
                 self.num_bytes_read += len(data)
+                self.last_read_s = time.monotonic()
                 self._pending.extend(self.decoder.feed(data))
         return self._pending.popleft()
+
+    async def read_answer(self, silent_s: float | None) -> Frame:
+        """The peer's next frame other than WAIT; TimeoutError once it has
+        sent nothing, not even a WAIT, for `silent_s`."""
+        while True:
+            frame = await self.read_frame(silent_s, idle=True)
+            if not isinstance(frame, Wait):
+                return frame
+
+    def keepalive(self, every_s: float, reason: str) -> asyncio.Task:
+        """A task that writes a WAIT whenever nothing was written for
+        `every_s`, until cancelled: a side that is busy or queued but alive
+        says so, and the peer's stall timeout catches only a silent one.
+        Every frame goes out in one `write`, so a WAIT never lands inside
+        one; cancel the task before the frame that must come next (END, the
+        next BEGIN)."""
+        async def tick() -> None:
+            while True:
+                idle = time.monotonic() - self.last_write_s
+                if idle >= every_s:
+                    self.write(encode_wait(reason))
+                    idle = 0.0
+                await asyncio.sleep(every_s - idle)
+
+        return asyncio.ensure_future(tick())
 
     def write(self, data: bytes) -> int:
         self.writer.write(data)
         self.num_bytes_written += len(data)
+        self.last_write_s = time.monotonic()
         return len(data)
 
     async def drain(self) -> None:
