@@ -185,7 +185,7 @@ class PagedAttention:
         kv[0].index_copy_(0, md.slot_mapping, k)
         kv[1].index_copy_(0, md.slot_mapping, v)
         if self.progress is not None:
-            self.progress.layers_written = layer + 1
+            self.progress.wrote(layer + 1)
         paged = kv.view(2, S // bs, bs, KVH, D)               # [2, NB, bs, KVH, D]
         H = q.shape[1]
         if md.rows is not None:

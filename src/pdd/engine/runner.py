@@ -21,10 +21,16 @@ class StepProgress:
     layer's KV for those tokens is final once written, so P can send it while
     the step computes the next layers (layer-wise KV streaming)."""
 
-    def __init__(self, step: int, spans: dict[str, tuple[int, int]]):
+    def __init__(self, step: int, spans: dict[str, tuple[int, int]], notify=None):
         self.step = step
         self.spans = spans              # request id -> [start, end) tokens this step computes
         self.layers_written = 0
+        self.notify = notify            # called (on the engine thread) after each layer's KV is written
+
+    def wrote(self, layers: int) -> None:
+        self.layers_written = layers
+        if self.notify is not None:
+            self.notify()
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,6 +52,12 @@ class ModelRunner:
         )  # [L, 2, S, KVH, D]
         self.num_steps = 0
         self.progress: StepProgress | None = None
+        # Called on the engine thread when a step starts (which requests it
+        # computes is known: `progress.spans`) and after each layer's KV is
+        # written (`progress.layers_written`), so that readers waiting for
+        # either wake up instead of polling.
+        self.on_step_start = None
+        self.on_progress = None
         # running decodes' contexts kept contiguous between steps (None: always gather)
         self.rows: DecodeRows | None = DecodeRows(
             model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, self.dtype, cfg.block_size,
@@ -76,8 +88,10 @@ class ModelRunner:
         md = build_metadata(seqs, self.cfg.block_size, rows=rows)
         self.num_steps += 1
         progress = StepProgress(self.num_steps, {s.request.request_id: (s.start, s.start + s.num_tokens)
-                                                 for s in plan.seqs})
+                                                 for s in plan.seqs}, self.on_progress)
         self.progress = progress
+        if self.on_step_start is not None:
+            self.on_step_start()
         try:
             hidden = self.model.forward(
                 torch.tensor(ids), torch.tensor(pos), PagedAttention(self.kv, md, progress)

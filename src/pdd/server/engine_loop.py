@@ -29,10 +29,63 @@ from pdd.engine.request import EngineRequest
 log = logging.getLogger(__name__)
 
 
+class EngineMoved:
+    """Wakes the coroutines waiting for the engine to move (a layer's KV
+    written, a step or a command done), so that a streamed transfer or a job
+    waiting for its prompt to be scheduled does not poll: under overload P
+    holds dozens of queued jobs, and polling each every 10 ms cost P's core
+    thousands of wake-ups a second. `notify_threadsafe` is called from the
+    engine thread; one wake-up is queued at a time. A waiter notes
+    `version` before it looks at the engine's state and passes it to `wait`,
+    which returns at once if the engine has moved since (so a move while the
+    waiter was busy is not lost); a timeout bounds every wait."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.version = 0
+        self._fut: asyncio.Future | None = None
+        self._queued = False
+
+    def notify_threadsafe(self) -> None:
+        if not self._queued:
+            self._queued = True
+            try:
+                self.loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:        # the loop has closed: nobody is waiting
+                pass
+
+    def _wake(self) -> None:
+        self._queued = False
+        self.version += 1
+        fut, self._fut = self._fut, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def wait(self, seen: int, timeout_s: float) -> None:
+        """Until the engine has moved since `version` was `seen`, or `timeout_s`."""
+        if self.version != seen:
+            return
+        if self._fut is None:
+            self._fut = self.loop.create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._fut), timeout_s)
+        except TimeoutError:
+            pass
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, idle_wait_s: float = 0.01):
         self.engine = engine
         self.loop = loop
+        # `moved`: a layer's KV written, a step started or done, commands
+        # run; `stepped`: the same less the layers (what a job waiting for
+        # its prompt to be scheduled needs: a fraction of the wake-ups).
+        self.moved = EngineMoved(loop)
+        self.stepped = EngineMoved(loop)
+        runner = getattr(engine, "runner", None)
+        if runner is not None and hasattr(runner, "on_progress"):
+            runner.on_progress = self.moved.notify_threadsafe
+            runner.on_step_start = self._notify
         self.idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -49,6 +102,9 @@ class EngineLoop:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout=10)
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None and getattr(runner, "on_progress", None) == self.moved.notify_threadsafe:
+            runner.on_progress = runner.on_step_start = None
 
     # -- called from asyncio ------------------------------------------------
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
@@ -99,6 +155,7 @@ class EngineLoop:
             self.busy_s += time.perf_counter() - t0
             if events:
                 self.loop.call_soon_threadsafe(self._deliver, events)
+            self._notify()
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -116,7 +173,12 @@ class EngineLoop:
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
+                self._notify()
                 return
+
+    def _notify(self) -> None:
+        self.moved.notify_threadsafe()
+        self.stepped.notify_threadsafe()
 
     def _fail_all(self, msg: str) -> list[StepEvent]:
         out = []

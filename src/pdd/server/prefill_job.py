@@ -29,7 +29,9 @@ from pdd.server.wire import NdjsonWriter, sampling_from_dict
 from pdd.transport.kv_sender import TransferHandle
 
 
-STREAM_POLL_S = 0.01      # how often a streamed transfer looks for its next computed block
+# A streamed transfer waits for the engine to move (`EngineLoop.moved`: a
+# layer's KV written, a step done) and looks again at least this often.
+STREAM_WAIT_S = 0.25
 
 
 class PrefillJob:
@@ -46,6 +48,14 @@ class PrefillJob:
         self.first_token: int | None = None
         self.prefilled: asyncio.Future | None = None     # P's first token (streamed transfers' END)
         self.watcher: asyncio.Task | None = None
+
+    def _seen(self) -> int:
+        """Note this before looking at the engine; `_engine_moves(seen)` then
+        returns at once if it moved meanwhile."""
+        return self.server.loop.moved.version
+
+    async def _engine_moves(self, seen: int) -> None:
+        await self.server.loop.moved.wait(seen, STREAM_WAIT_S)
 
     def _streamed_targets(self) -> list[dict]:
         return [t for t in self.targets if t.get("warm_blocks") is None]
@@ -109,11 +119,13 @@ class PrefillJob:
     async def _stream_once_scheduled(self) -> None:
         """Start the streamed transfers when the engine starts on the prompt."""
         engine = self.server.engine
+        stepped = self.server.loop.stepped
         while True:
+            seen = stepped.version
             req = engine.requests.get(self.request_id)
             if req is not None and req.status is not RequestStatus.WAITING:
                 break
-            await asyncio.sleep(STREAM_POLL_S)
+            await stepped.wait(seen, STREAM_WAIT_S)
         for t in self._streamed_targets():
             if str(t["name"]) not in self.transfers:
                 self.start_stream(t)
@@ -130,6 +142,7 @@ class PrefillJob:
         async def block(i: int) -> bytes:
             need = (i + 1) * bs
             while True:
+                seen = self._seen()
                 req = self._streamed_request()
                 gen = req.num_preemptions
                 if req.num_computed_tokens >= need and len(req.block_ids) > i:
@@ -138,7 +151,7 @@ class PrefillJob:
                     # kept its blocks throughout (no preemption in between).
                     if req.num_preemptions == gen and req.num_computed_tokens >= need:
                         return data
-                await asyncio.sleep(STREAM_POLL_S)
+                await self._engine_moves(seen)
 
         async def finish() -> dict:
             return {"first_token": await asyncio.shield(self.prefilled)}
@@ -171,6 +184,7 @@ class PrefillJob:
         layer_bytes = engine.layout.block_bytes // num_layers
         sent = {i: 0 for i in range(nblk) if i not in held}     # block -> layers sent
         while sent:
+            seen = self._seen()
             req = self._streamed_request()
             gen = req.num_preemptions
             computed = req.num_computed_tokens
@@ -193,7 +207,7 @@ class PrefillJob:
                     out.append((i, lo, upto, runner.read_block_layers(req.block_ids[i], lo, upto)))
             # Valid only if the request kept its blocks while we read them.
             if req.num_preemptions != gen or self.server.engine.requests.get(self.request_id) is not req:
-                await asyncio.sleep(STREAM_POLL_S)
+                await self._engine_moves(seen)
                 continue
             for i, lo, upto, data in out:
                 yield i, lo * layer_bytes, num_layers * layer_bytes, data
@@ -203,7 +217,7 @@ class PrefillJob:
             if sent:
                 if not out:
                     yield None          # waiting for P: the line is free for others meanwhile
-                await asyncio.sleep(STREAM_POLL_S)
+                await self._engine_moves(seen)
 
     def _in_flight(self) -> bool:
         return any(not h.done for h in self.transfers.values())

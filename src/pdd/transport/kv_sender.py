@@ -72,10 +72,6 @@ class _ConnectFailed(Exception):
     pass
 
 
-class _HandshakeTimeout(AuthError):
-    pass
-
-
 class TransferHandle:
     def __init__(self, status: TransferStatus):
         self.status = status
@@ -215,15 +211,16 @@ class KVSender:
 
     async def _bootstrap(self, host: str, port: int, line: str | None) -> FrameStream:
         """`_acquire`, again (up to BOOTSTRAP_TRIES in all, backing off) when
-        a connection is lost or the handshake times out before BEGIN: under
-        load either side's event loop can be slow enough for the other's auth
-        timeout, and nothing of the transfer has reached the receiver yet. A
-        refused connection or a refused key fails at once."""
+        the receiver closes or resets the connection before BEGIN: under load
+        our loop can be slow enough for its auth timeout, and nothing of the
+        transfer has reached it yet. A refused connection, a refused key and
+        our own handshake timeout (a receiver silent to us: a dead one, or a
+        cut line) fail at once."""
         for attempt in range(BOOTSTRAP_TRIES):
             try:
                 return await self._acquire(host, port, line)
-            except (ConnectionError, OSError, AuthError) as e:
-                if attempt == BOOTSTRAP_TRIES - 1 or (isinstance(e, AuthError) and not isinstance(e, _HandshakeTimeout)):
+            except (ConnectionError, OSError):
+                if attempt == BOOTSTRAP_TRIES - 1:
                     raise
                 self.num_bootstrap_retries += 1
                 await asyncio.sleep(0.1 * 4 ** attempt)
@@ -250,7 +247,7 @@ class KVSender:
             await client_handshake(stream, self.secret, self.auth_timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             stream.abort()
-            raise _HandshakeTimeout(f"no CHALLENGE from {host}:{port} within {self.auth_timeout_s} s") from None
+            raise AuthError(f"no CHALLENGE from {host}:{port} within {self.auth_timeout_s} s") from None
         except ssl.SSLError as e:  # TLS 1.3: the receiver judges our certificate after the handshake
             stream.abort()
             raise _ConnectFailed(f"TLS with {host}:{port} refused by the receiver: {e.reason or e}") from None
