@@ -11,8 +11,10 @@
                                    <-     END(count)   (the ack: only now SUCCESS)
 
 Modules: `state` (poll enum + status), `frames` (sans-I/O codec), `auth`
-(challenge-response), `stream` (frames over asyncio streams), `kv_receiver`,
-`kv_sender`, `fake_link` (same contract in memory, clock passed in).
+(challenge-response), `stream` (frames over asyncio streams, WAIT
+keepalives), `kv_receiver`, `kv_sender`, `connections` (the sender's pooled
+connections), `priority` (who may write to a shared line), `fake_link` (same
+contract in memory, clock passed in).
 """
 
 from pdd.transport.fake_link import FakeLink, FakeTransfer

@@ -7,20 +7,7 @@ Lifecycle of a transfer (TransferHandle.poll() shows it without blocking):
     SUCCESS        the receiver acknowledged END (it holds every block)
     FAILED         deadline, cancel(), refused/reset, auth failure, corrupt frame, receiver error
 
-Connections: one transfer at a time per connection, connections pooled per
-peer and reused. Why: over the WAN a fresh connection costs a TCP handshake
-plus the auth round trip (2 RTT, ~80 ms at 20 ms one-way), which would
-dominate the small transfers of high-hit requests (the common case). Why not
-multiplex many transfers over one connection: head-of-line blocking would put
-a small transfer behind a 190 MB one, and a corrupt frame or a cancel would
-take every transfer on the line down with it. Concurrent transfers to one peer
-simply use several pooled connections. A connection is pooled again only
-after a clean END ack; after any failure it is aborted, since its stream is
-no longer trustworthy. Pooled connections idle longer than `idle_keep_s`
-(below the receiver's idle timeout) or closed by the peer are dropped.
-At most `max_handshakes_per_peer` new connections per peer authenticate at
-once (the rest wait their turn), so a burst of cold transfers stays below the
-receiver's cap on unauthenticated connections, which closes excess ones.
+Connections are pooled per peer (`transport.connections.ConnectionPool`).
 """
 
 from __future__ import annotations
@@ -28,19 +15,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
-import ssl
 import time
 from typing import AsyncIterator, Awaitable, Callable, Sequence, Union
 
 from pdd.engine.kv_codec import BLOCK_DIGEST, seal_block
-from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, client_handshake
+from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret
+from pdd.transport.connections import MAX_HANDSHAKES_PER_PEER, ConnectFailed, ConnectionPool
 from pdd.transport.priority import SLICE_BYTES, LineGate
 from pdd.transport.frames import (
     DEFAULT_MAX_FRAME_BYTES, End, Error, FrameError, Have, encode_begin, encode_block, encode_cancel, encode_end,
     encode_part,
 )
 from pdd.transport.state import TransferState, TransferStatus
-from pdd.transport.stream import STREAM_LIMIT_BYTES, FrameStream
+from pdd.transport.stream import FrameStream
 from pdd.transport.tls import TlsPeer
 
 BlockSource = Union[Sequence[bytes], Callable[[int], Union[bytes, Awaitable[bytes]]]]
@@ -53,22 +40,16 @@ PartSource = Callable[[set[int]], AsyncIterator[tuple[int, int, int, bytes]]]
 # (host, port) -> how to reach it over TLS, or None: plain TCP there
 TlsResolver = Callable[[str, int], Union[TlsPeer, None]]
 DEFAULT_DEADLINE_S = 60.0
-MAX_HANDSHAKES_PER_PEER = 8   # below the receiver's DEFAULT_MAX_UNAUTHENTICATED (32)
 # A WAIT this often while a transfer has nothing to write (P still computing,
 # or a background copy waiting its turn), well inside the receiver's stall
 # timeout (30 s): a queued transfer is not a stalled one.
 DEFAULT_KEEPALIVE_S = 5.0
-BOOTSTRAP_TRIES = 3
 # The receiver silent this long (no frame, not even a WAIT) while we wait for
 # its HAVE or its END ack: a dead peer or a cut line, not a busy one.
 DEFAULT_STALL_TIMEOUT_S = 30.0
 
 
 class _PeerError(Exception):
-    pass
-
-
-class _ConnectFailed(Exception):
     pass
 
 
@@ -116,23 +97,14 @@ class KVSender:
         """tls: which peers speak TLS and the name each must prove. seal_blocks:
         each BLOCK carries the SHA-256 of its bytes (kv_codec.seal_block), taken
         as get_block returns them, for the receiver to check at import."""
-        self.secret = as_secret(secret)
-        self.tls = tls
         self.seal_blocks = seal_blocks
-        self.reuse_connections = reuse_connections
-        self.connect_timeout_s = connect_timeout_s
-        self.auth_timeout_s = auth_timeout_s
-        self.idle_keep_s = idle_keep_s
-        self.max_idle_per_peer = max_idle_per_peer
         self.max_frame_bytes = max_frame_bytes
         self.keepalive_s = keepalive_s
         self.stall_timeout_s = stall_timeout_s
-        self.num_connections_opened = 0
-        self.num_bootstrap_retries = 0
-        self.num_connections_reused = 0
-        self.max_handshakes_per_peer = max_handshakes_per_peer
-        self._idle: dict[tuple[str, int], list[tuple[FrameStream, float]]] = {}
-        self._handshakes: dict[tuple[str, int], asyncio.Semaphore] = {}
+        self.pool = ConnectionPool(as_secret(secret), tls=tls, reuse=reuse_connections,
+                                   connect_timeout_s=connect_timeout_s, auth_timeout_s=auth_timeout_s,
+                                   idle_keep_s=idle_keep_s, max_idle_per_peer=max_idle_per_peer,
+                                   max_frame_bytes=max_frame_bytes, max_handshakes_per_peer=max_handshakes_per_peer)
         self._active: set[TransferHandle] = set()
         self.gate = LineGate()
         # Transfers waiting for HAVE, per receiver, with their block hashes: a
@@ -189,72 +161,19 @@ class KVSender:
         for handle in handles:
             handle.cancel("sender closed")
         await asyncio.gather(*(h.task for h in handles if h.task), return_exceptions=True)
-        for conns in self._idle.values():
-            for stream, _ in conns:
-                stream.abort()
-        self._idle.clear()
+        self.pool.close()
 
-    async def _acquire(self, host: str, port: int, line: str | None = None) -> FrameStream:
-        conns = self._idle.get((host, port), [])
-        now = time.monotonic()
-        while conns:
-            stream, last_used_s = conns.pop()
-            if stream.is_usable() and now - last_used_s < self.idle_keep_s:
-                self.num_connections_reused += 1
-                return stream
-            stream.abort()
-        turn = self._handshakes.get((host, port))
-        if turn is None:
-            turn = self._handshakes[(host, port)] = asyncio.Semaphore(self.max_handshakes_per_peer)
-        async with turn:
-            return await self._connect(host, port)
+    @property
+    def num_connections_opened(self) -> int:
+        return self.pool.num_opened
 
-    async def _bootstrap(self, host: str, port: int, line: str | None) -> FrameStream:
-        """`_acquire`, again (up to BOOTSTRAP_TRIES in all, backing off) when
-        the receiver closes or resets the connection before BEGIN: under load
-        our loop can be slow enough for its auth timeout, and nothing of the
-        transfer has reached it yet. A refused connection, a refused key and
-        our own handshake timeout (a receiver silent to us: a dead one, or a
-        cut line) fail at once."""
-        for attempt in range(BOOTSTRAP_TRIES):
-            try:
-                return await self._acquire(host, port, line)
-            except (ConnectionError, OSError):
-                if attempt == BOOTSTRAP_TRIES - 1:
-                    raise
-                self.num_bootstrap_retries += 1
-                await asyncio.sleep(0.1 * 4 ** attempt)
-        raise AssertionError("unreachable")
+    @property
+    def num_connections_reused(self) -> int:
+        return self.pool.num_reused
 
-    async def _connect(self, host: str, port: int) -> FrameStream:
-        peer = self.tls(host, port) if self.tls is not None else None
-        tls_kw = {} if peer is None else {"ssl": peer.context, "server_hostname": peer.name,
-                                          "ssl_handshake_timeout": self.connect_timeout_s}
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=STREAM_LIMIT_BYTES, **tls_kw), self.connect_timeout_s)
-        except asyncio.TimeoutError:
-            raise _ConnectFailed(f"cannot connect to {host}:{port}: timed out after {self.connect_timeout_s} s") from None
-        except ssl.SSLError as e:  # the receiver's certificate: another CA, another name, expired
-            raise _ConnectFailed(f"TLS with {host}:{port} (as {peer.name}) refused: "
-                                  f"{getattr(e, 'verify_message', None) or e.reason or e}") from None
-        except OSError as e:  # refused, unreachable, unknown host
-            reason = "connection refused" if isinstance(e, ConnectionRefusedError) else f"{type(e).__name__}: {e}"
-            raise _ConnectFailed(f"cannot connect to {host}:{port}: {reason}") from None
-        self.num_connections_opened += 1
-        stream = FrameStream(reader, writer, self.max_frame_bytes)
-        try:
-            await client_handshake(stream, self.secret, self.auth_timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            stream.abort()
-            raise AuthError(f"no CHALLENGE from {host}:{port} within {self.auth_timeout_s} s") from None
-        except ssl.SSLError as e:  # TLS 1.3: the receiver judges our certificate after the handshake
-            stream.abort()
-            raise _ConnectFailed(f"TLS with {host}:{port} refused by the receiver: {e.reason or e}") from None
-        except BaseException:
-            stream.abort()
-            raise
-        return stream
+    @property
+    def num_bootstrap_retries(self) -> int:
+        return self.pool.num_retries
 
     async def _ack(self, stream: FrameStream, answer: asyncio.Future, dest: tuple[str, int]):
         """The receiver's answer to END, while it keeps saying it is alive
@@ -266,13 +185,6 @@ class KVSender:
             if time.monotonic() - stream.last_read_s >= self.stall_timeout_s:
                 raise _PeerError(f"no END ack from {dest[0]}:{dest[1]}: the receiver sent nothing for "
                                  f"{self.stall_timeout_s:g} s")
-
-    def _release(self, host: str, port: int, stream: FrameStream) -> None:
-        conns = self._idle.setdefault((host, port), [])
-        if self.reuse_connections and stream.is_usable() and len(conns) < self.max_idle_per_peer:
-            conns.append((stream, time.monotonic()))
-        else:
-            stream.writer.close()  # graceful: nothing is left to flush after the END ack
 
     async def _read_have(self, stream: FrameStream, dest: tuple[str, int], hashes: list[bytes]):
         waiting = self._awaiting_have.setdefault(dest, [])
@@ -379,7 +291,7 @@ class KVSender:
         stream: FrameStream | None = None
         try:
             async with asyncio.timeout(deadline_s):
-                stream = await self._bootstrap(host, port, line)
+                stream = await self.pool.take(host, port)
                 if self.seal_blocks:
                     meta = meta | {"block_digest": BLOCK_DIGEST}
                 status.bytes_sent += stream.write(encode_begin(status.request_id, meta, hashes, deadline_s,
@@ -437,7 +349,7 @@ class KVSender:
                 if not isinstance(ack, End) or ack.num_blocks != status.num_blocks_sent:
                     raise _PeerError(f"protocol error: expected END ack of {status.num_blocks_sent} blocks, got {ack}")
             status.succeed(time.monotonic())
-            self._release(host, port, stream)
+            self.pool.give_back(host, port, stream)
             return
         except asyncio.CancelledError:
             if handle.cancel_reason is None:
@@ -455,7 +367,7 @@ class KVSender:
                     f"({status.num_blocks_sent} blocks sent)"
         except AuthError as e:
             error = f"authentication with {host}:{port} failed: {e}"
-        except (_PeerError, _ConnectFailed) as e:
+        except (_PeerError, ConnectFailed) as e:
             error = str(e)
         except FrameError as e:
             error = f"corrupt frame from receiver {host}:{port}: {e}"
