@@ -34,29 +34,36 @@ class EngineMoved:
     written, a step or a command done), so that a streamed transfer or a job
     waiting for its prompt to be scheduled does not poll: under overload P
     holds dozens of queued jobs, and polling each every 10 ms cost P's core
-    thousands of wake-ups a second. `notify_threadsafe` is called from the
-    engine thread; one wake-up is queued at a time. A waiter notes
+    thousands of wake-ups a second.
+
+    The engine thread calls `notify_threadsafe`: it counts the move and, only
+    if a coroutine waits, queues one wake-up on the loop (a decode instance,
+    which nothing streams from, pays a counter per layer). A waiter notes
     `version` before it looks at the engine's state and passes it to `wait`,
-    which returns at once if the engine has moved since (so a move while the
-    waiter was busy is not lost); a timeout bounds every wait."""
+    which returns at once if the engine has moved since, so a move while the
+    waiter was busy is not lost; every wait is also bounded by a timeout.
+    Ordering under the GIL: the engine counts, then looks for a waiter; the
+    waiter registers, then looks at the count; so one of the two sees the
+    other."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.version = 0
+        self.version = 0            # moves so far (written by the engine thread)
         self._fut: asyncio.Future | None = None
         self._queued = False
 
     def notify_threadsafe(self) -> None:
-        if not self._queued:
-            self._queued = True
-            try:
-                self.loop.call_soon_threadsafe(self._wake)
-            except RuntimeError:        # the loop has closed: nobody is waiting
-                pass
+        self.version += 1
+        if self._fut is None or self._queued:
+            return
+        self._queued = True
+        try:
+            self.loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:        # the loop has closed: nobody is waiting
+            pass
 
     def _wake(self) -> None:
         self._queued = False
-        self.version += 1
         fut, self._fut = self._fut, None
         if fut is not None and not fut.done():
             fut.set_result(None)
@@ -67,8 +74,11 @@ class EngineMoved:
             return
         if self._fut is None:
             self._fut = self.loop.create_future()
+        fut = self._fut
+        if self.version != seen:      # it moved before it could see us waiting
+            return
         try:
-            await asyncio.wait_for(asyncio.shield(self._fut), timeout_s)
+            await asyncio.wait_for(asyncio.shield(fut), timeout_s)
         except TimeoutError:
             pass
 
