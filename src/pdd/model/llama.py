@@ -143,10 +143,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, hidden]; statistics in fp32 exactly as HF LlamaRMSNorm
-        in_dtype = x.dtype
+        # in place where it can be: the same ops, fewer tensors (fp32 skips the two no-op casts)
+        if x.dtype == torch.float32:
+            return self.weight * (x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_())
         xf = x.float()
-        s = xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()   # in place: the same ops, fewer tensors
-        return self.weight * (xf * s).to(in_dtype)
+        s = xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return self.weight * (xf * s).to(x.dtype)
 
 
 def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
