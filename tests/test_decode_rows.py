@@ -180,34 +180,3 @@ def test_k_and_v_of_one_qkv_output_are_written_in_one_copy_with_the_same_result(
         results.append((out, pool, rows.buf.clone()))
     for a, b in zip(*results):
         assert torch.equal(a, b)
-
-
-def test_transposed_keys_hold_the_same_context_and_attend_alike():
-    """fp32 rows keep K transposed ([D, row_len] per row and head) for the two-matmul attention:
-    rows hold the pool's K/V as the plain layout does (refill, appended tokens, a row moved
-    down), and attention over them equals SDPA over the plain rows within fp32 rounding."""
-    H = 3 * KVH
-    kv = _pool()
-    plain = DecodeRows(L, KVH, D, torch.float32, BS, max_tokens=256, headroom=8)
-    trans = DecodeRows(L, KVH, D, torch.float32, BS, max_tokens=256, headroom=8, keys_transposed=True)
-    a, b, c = [3, 9, 1], [20, 4], [7, 8]
-    steps = [[("a", 10, a), ("b", 6, b), ("c", 5, c)], [("a", 11, a), ("b", 7, b), ("c", 6, c)],
-             [("c", 7, c), ("b", 8, b)]]          # a leaves: c moves down to row 0
-    for decodes in steps:
-        seqs = [(n - 1, 1, blocks) for _, n, blocks in decodes]
-        qkv = torch.randn(len(decodes), H + 2 * KVH, D)
-        q, k, v = qkv[:, :H], qkv[:, H : H + KVH], qkv[:, H + KVH :]
-        outs = []
-        for rows in (plain, trans):
-            pool = kv.clone()
-            md = paged_attention.build_metadata(seqs, BS, rows=(rows, rows.prepare(decodes, pool)))
-            outs.append(paged_attention.PagedAttention(pool, md)(1, q, k, v))
-            rows.commit()
-        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
-        for rid, n, _ in decodes:
-            r = next(i for i, h in enumerate(trans.held) if h and h[0] == rid)
-            p = next(i for i, h in enumerate(plain.held) if h and h[0] == rid)
-            # layer 1 holds this step's token too (the only layer this step attends)
-            assert torch.equal(trans.context(r, n - 1), plain.context(p, n - 1))
-            assert torch.equal(trans.context(r, n)[1], plain.context(p, n)[1])
-    assert trans.num_refills == plain.num_refills == 3

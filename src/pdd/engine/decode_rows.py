@@ -67,22 +67,15 @@ class RowsPlan:
     to_rows: torch.Tensor | None      # [B] decode index of each row (None: row i is decode i)
     to_decodes: torch.Tensor | None   # [B] row of each decode
     kv_index: torch.Tensor            # [2, B, KVH] flat (K/V, row, head, position) of each new K and V,
-                                      # decode order: `write_pair` puts both at once
-    keys: tuple[torch.Tensor, ...] = ()     # per layer, the view attention reads: [B, KVH, ctx_max, D],
-                                            # keys_t: [B * KVH, D, ctx_max]
-    values: tuple[torch.Tensor, ...] = ()   # per layer, [B, KVH, ctx_max, D]; keys_t: [B * KVH, ctx_max, D]
-    keys_t: bool = False              # K held transposed (`DecodeRows`); mask is then [B * KVH, 1, ctx_max]
-    k_index: tuple[torch.Tensor, ...] = ()  # keys_t: (row * KVH + head, dim, position) of each new K
+                                      # decode order: index_put_ into `layer_flat` writes both at once
+    keys: tuple[torch.Tensor, ...] = ()     # per layer, the [B, KVH, ctx_max, D] view attention reads
+    values: tuple[torch.Tensor, ...] = ()   # (made for all layers in two calls, not 3 per layer)
 
 
 class DecodeRows:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 block_size: int, max_tokens: int = DECODE_ROWS_MAX_TOKENS, headroom: int = ROW_HEADROOM,
-                 keys_transposed: bool = False):
+                 block_size: int, max_tokens: int = DECODE_ROWS_MAX_TOKENS, headroom: int = ROW_HEADROOM):
         self.shape = (num_layers, num_kv_heads, head_dim)
-        # K of each (row, head) held as [D, row_len] instead of [row_len, D]: attention is then two
-        # plain batched matmuls over the rows (fp32; see paged_attention._attend_rows)
-        self.keys_t = keys_transposed
         self.dtype = dtype
         self.block_size = block_size
         self.max_tokens = max_tokens
@@ -90,7 +83,6 @@ class DecodeRows:
         self.buf: torch.Tensor | None = None      # [L, 2, num_rows_cap, KVH, row_len, D]
         self.layers: list[torch.Tensor] = []      # buf[l] per layer
         self.flat: list[torch.Tensor] = []        # buf[l] as [2 * num_rows_cap * KVH * row_len, D]
-        self.kt: list[torch.Tensor] = []          # keys_t: buf[l, 0] as [num_rows_cap * KVH, D, row_len]
         self.row_len = 0
         self.num_rows_cap = 0
         self.held: list[tuple[str, int] | None] = []   # per row: (request id, tokens held) or None
@@ -101,7 +93,7 @@ class DecodeRows:
     def release(self) -> None:
         """Drop the buffer itself (the engine is idle); the next prepare allocates a new one."""
         self.buf = None
-        self.layers, self.flat, self.kt = [], [], []
+        self.layers, self.flat = [], []
         self.row_len = self.num_rows_cap = 0
         self.held = []
         self.blocks = {}
@@ -139,7 +131,6 @@ class DecodeRows:
         # per layer, the views a step uses, made once here rather than 30 times a step
         self.layers = list(self.buf.unbind(0))                    # [2, rows, KVH, row_len, D] each
         self.flat = [b.view(-1, D) for b in self.layers]          # [2 * rows * KVH * row_len, D] each
-        self.kt = [b[0].view(rows * KVH, D, self.row_len) for b in self.layers] if self.keys_t else []
         self.held = [None] * rows
         return True
 
@@ -168,10 +159,7 @@ class DecodeRows:
                 continue
             dst = free.pop(0)
             if r is not None:                # a surviving row above B: move it down
-                if self.keys_t:              # (a transposed K's tokens are not a prefix of the row)
-                    buf[:, :, dst].copy_(buf[:, :, r])
-                else:
-                    buf[:, :, dst, :, : c - 1].copy_(buf[:, :, r, :, : c - 1])
+                buf[:, :, dst, :, : c - 1].copy_(buf[:, :, r, :, : c - 1])
                 self.held[r] = None
             else:
                 self._refill(buf, dst, kv, blocks, c - 1)
@@ -200,18 +188,9 @@ class DecodeRows:
                 inv[r] = i
             to_rows = torch.tensor(inv, dtype=torch.long)
             to_dec = torch.tensor(rows, dtype=torch.long)
-        if not self.keys_t:
-            g = buf[:, :, :B, :, :ctx_max]                # [L, 2, B, KVH, ctx_max, D]
-            return RowsPlan(slots, B, self.row_len, ctx_max, mask, to_rows, to_dec, kv_index,
-                            g[:, 0].unbind(0), g[:, 1].unbind(0))
-        L, D = self.shape[0], self.shape[2]
-        keys = buf[:, 0, :B].view(L, B * KVH, D, n)[:, :, :, :ctx_max].unbind(0)
-        values = buf[:, 1, :B].view(L, B * KVH, n, D)[:, :, :ctx_max].unbind(0)
-        bh = torch.tensor([[r * KVH + h] for r in rows for h in range(KVH)], dtype=torch.long).view(B, KVH, 1)
-        pos = torch.tensor([c - 1 for c in ctxs], dtype=torch.long).view(B, 1, 1)
-        mask = mask.expand(B, KVH, 1, ctx_max).reshape(B * KVH, 1, ctx_max)
-        return RowsPlan(slots, B, self.row_len, ctx_max, mask, to_rows, to_dec, kv_index, keys, values,
-                        True, (bh, torch.arange(D).view(1, 1, D), pos))
+        g = buf[:, :, :B, :, :ctx_max]                # [L, 2, B, KVH, ctx_max, D]
+        return RowsPlan(slots, B, self.row_len, ctx_max, mask, to_rows, to_dec, kv_index,
+                        g[:, 0].unbind(0), g[:, 1].unbind(0))
 
     def _refill(self, buf: torch.Tensor, row: int, kv: torch.Tensor, blocks: list[int], n: int) -> None:
         """Copy a sequence's first n tokens, all layers, from the pool into a row."""
@@ -223,11 +202,7 @@ class DecodeRows:
         L, _, S, KVH, D = kv.shape
         ids = torch.tensor(blocks[:nblk], dtype=torch.long)
         g = kv.view(L, 2, S // bs, bs, KVH, D).index_select(2, ids).view(L, 2, nblk * bs, KVH, D)
-        if self.keys_t:
-            buf[:, 0, row].view(L, KVH, D, self.row_len)[..., :n].copy_(g[:, 0, :n].permute(0, 2, 3, 1))
-            buf[:, 1, row, :, :n].copy_(g[:, 1, :n].transpose(1, 2))
-        else:
-            buf[:, :, row, :, :n].copy_(g[:, :, :n].transpose(2, 3))
+        buf[:, :, row, :, :n].copy_(g[:, :, :n].transpose(2, 3))
 
     def commit(self) -> None:
         """The step's forward pass succeeded: each decode's row now holds its whole context."""
@@ -246,28 +221,6 @@ class DecodeRows:
         """[2, rows, KVH, row_len, D] of one layer: the view a step writes and reads."""
         return self.layers[layer]
 
-    def write(self, layer: int, plan: RowsPlan, k: torch.Tensor, v: torch.Tensor) -> None:
-        """This step's new K and V ([B, KVH, D] each, decode order) into their rows."""
-        if self.keys_t:
-            self.kt[layer].index_put_(plan.k_index, k)
-            self.flat[layer].index_put_((plan.kv_index[1],), v)
-        else:
-            self.flat[layer].index_put_((plan.kv_index[0],), k)
-            self.flat[layer].index_put_((plan.kv_index[1],), v)
-
-    def write_pair(self, layer: int, plan: RowsPlan, pair: torch.Tensor) -> None:
-        """`write` with K and V as one [2, B, KVH, D] tensor: one copy where K is not transposed."""
-        if self.keys_t:
-            self.write(layer, plan, pair[0], pair[1])
-        else:
-            self.flat[layer].index_put_((plan.kv_index,), pair)
-
-    def context(self, row: int, n: int) -> torch.Tensor:
-        """The first n tokens a row holds, as the pool lays them out: [L, 2, n, KVH, D]."""
-        L, KVH, D = self.shape
-        v = self.buf[:, 1, row, :, :n]                                   # [L, KVH, n, D]
-        if self.keys_t:
-            k = self.buf[:, 0, row].reshape(L, KVH, D, self.row_len)[..., :n].transpose(2, 3)
-        else:
-            k = self.buf[:, 0, row, :, :n]
-        return torch.stack((k, v), 1).transpose(2, 3)
+    def layer_flat(self, layer: int) -> torch.Tensor:
+        """One layer's rows as [2 * rows * KVH * row_len, D], what `RowsPlan.kv_index` indexes."""
+        return self.flat[layer]

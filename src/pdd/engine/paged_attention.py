@@ -259,7 +259,10 @@ class PagedAttention:
     def _decode_rows(self, layer: int, qd: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor) -> torch.Tensor:
         """qd [B, H, D], kd/vd [B, KVH, D] (this step's decode tokens) -> [B, H, D], over the rows."""
         rp, rows = self.md.rows, self.md.rows_kv
-        rows.write(layer, rp, kd, vd)
+        kr = rows.layer(layer)                                     # [2, cap, KVH, row_len, D]
+        D = kr.shape[-1]
+        kr[0].view(-1, D).index_copy_(0, rp.slots, kd.reshape(-1, D))   # slots: (row, head, position)
+        kr[1].view(-1, D).index_copy_(0, rp.slots, vd.reshape(-1, D))
         return self._attend_rows(layer, qd)
 
     def _decode_rows_pair(self, layer: int, kv: torch.Tensor, qd: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
@@ -270,7 +273,8 @@ class PagedAttention:
         kv.index_copy_(1, md.slot_mapping, pair)                   # pool [2, S, KVH, D]
         if self.progress is not None:
             self.progress.layers_written = layer + 1
-        md.rows_kv.write_pair(layer, rp, pair)                    # rows: one copy more (two: K transposed)
+        rows = md.rows_kv
+        rows.layer_flat(layer).index_put_((rp.kv_index,), pair)   # rows, (K/V, row, head, position)
         return self._attend_rows(layer, qd)
 
     def _attend_rows(self, layer: int, qd: torch.Tensor) -> torch.Tensor:
@@ -278,17 +282,8 @@ class PagedAttention:
         rp = self.md.rows
         if rp.to_rows is not None:
             qd = qd.index_select(0, rp.to_rows)                   # decode order -> row order
-        if rp.keys_t:
-            # two batched matmuls, each query group of a KV head as one [G, D] block: in fp32 faster
-            # than SDPA's kernel here (23 -> 17 ms over 30 layers at batch 16, ~190-token contexts),
-            # which runs small GEMMs per query head; a bf16 bmm copies strided rows, so bf16 keeps SDPA
-            B, H, D = qd.shape
-            kt = rp.keys[layer]                                   # [B * KVH, D, ctx_max]
-            s = torch.bmm((qd * D ** -0.5).view(kt.shape[0], -1, D), kt).add_(rp.mask)   # [B * KVH, G, ctx_max]
-            od = torch.bmm(torch.softmax(s, -1), rp.values[layer]).view(B, H, D)
-        else:
-            od = F.scaled_dot_product_attention(qd.unsqueeze(2), rp.keys[layer], rp.values[layer],
-                                                attn_mask=rp.mask, enable_gqa=True).squeeze(2)  # [B, H, D]
+        od = F.scaled_dot_product_attention(qd.unsqueeze(2), rp.keys[layer], rp.values[layer],
+                                            attn_mask=rp.mask, enable_gqa=True).squeeze(2)  # [B, H, D]
         return od if rp.to_decodes is None else od.index_select(0, rp.to_decodes)
 
     def _decode_each(self, paged: torch.Tensor, qd: torch.Tensor, KVH: int, H: int, D: int) -> torch.Tensor:

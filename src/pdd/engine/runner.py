@@ -50,7 +50,6 @@ class ModelRunner:
         # running decodes' contexts kept contiguous between steps (None: always gather)
         self.rows: DecodeRows | None = DecodeRows(
             model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, self.dtype, cfg.block_size,
-            keys_transposed=self.dtype == torch.float32,
         ) if cfg.decode_rows else None
 
     @property
