@@ -13,12 +13,8 @@ paged cache, which stays the one source of truth for export, prefix caching
 and layer streaming) and attention reads the rows in place, as a strided
 view ([B, KVH, ctx, D] per layer: each head's keys contiguous, which SDPA's
 CPU kernel read ~7% faster in bf16 than the token-major [B, ctx, KVH, D]).
-In fp32 (`keys_transposed`) each row's K is held as [KVH, D, row_len]
-instead, so that attention is two plain batched matmuls over the rows
-(q K^T straight from [B * KVH, D, ctx], no copy) rather than SDPA's kernel,
-which runs two small GEMMs per query head. The new token's K and V are
-written by one `index_put_` (two with K transposed), from the model's qkv
-output as it is.
+The new token's K and V are written by one `index_put_`, from the model's
+qkv output as it is (`layer_flat`, `RowsPlan.kv_index`).
 
 Lifecycle of a row, decided per step by `prepare` from (request id,
 context length) pairs, committed by `commit` once the forward pass succeeded:

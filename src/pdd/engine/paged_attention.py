@@ -4,8 +4,7 @@ The model hands over post-RoPE q/k/v for a flat list of T tokens; this module
 knows which tokens belong to which sequence, writes their K/V into the cache
 slots the scheduler assigned, and attends over each sequence's whole context.
 Single-token sequences (decodes) with short contexts are attended in one
-padded, masked SDPA call (fp32 rows: two batched matmuls, `_attend_rows`),
-over the contiguous rows the runner keeps for
+padded, masked SDPA call, over the contiguous rows the runner keeps for
 running decodes when it has them (`decode_rows.py`, `_decode_rows`: no
 gather; an all-decode step writes its K and V, adjacent in the model's qkv
 output, with one copy into the pool, `kv_pair`) and otherwise over blocks
