@@ -103,13 +103,14 @@ def test_engine_with_rows_equals_the_reference_and_the_gathering_path(tiny_model
     prompts = {f"r{i}": [rng.randrange(100, 5000) for _ in range(n)] for i, n in enumerate(lens)}
     max_tokens = {rid: 8 + 5 * i for i, rid in enumerate(prompts)}   # they finish one by one
     used = []
-    real = paged_attention.PagedAttention._decode_rows
-    monkeypatch.setattr(paged_attention.PagedAttention, "_decode_rows",
-                        lambda self, *a: used.append(1) or real(self, *a))
+    for name in ("_decode_rows", "_decode_rows_pair"):   # mixed steps, all-decode steps
+        real = getattr(paged_attention.PagedAttention, name)
+        monkeypatch.setattr(paged_attention.PagedAttention, name,
+                            lambda self, *a, _n=name, _f=real: used.append(_n) or _f(self, *a))
     kw = dict(num_blocks=128, block_size=16, max_num_batched_tokens=48)
     with_rows = Engine(model, cfg, EngineConfig(**kw))
     got = _run(with_rows, prompts, max_tokens)
-    assert used, "the rows path never ran"
+    assert set(used) == {"_decode_rows", "_decode_rows_pair"}, "a rows path never ran"
     want = {rid: generate_greedy(model, p, max_tokens[rid]) for rid, p in prompts.items()}
     assert got == want
     assert _run(Engine(model, cfg, EngineConfig(decode_rows=False, **kw)), prompts, max_tokens) == want
@@ -155,3 +156,27 @@ def test_a_kv_import_drops_only_the_rows_copied_from_its_block(tiny_model):
     refills = rows.num_refills
     eng.step()
     assert rows.num_refills == refills + 1                             # only b is refilled
+
+
+def test_k_and_v_of_one_qkv_output_are_written_in_one_copy_with_the_same_result():
+    """An all-decode step whose k and v lie side by side (the model's qkv output) writes both
+    with one copy into the pool and one into the rows: the same pool, rows and output as
+    k and v given apart."""
+    H = 2 * KVH
+    kv = _pool()
+    decodes = [("a", 10, [3, 9, 1]), ("b", 6, [20, 4]), ("c", 3, [7])]
+    seqs = [(c - 1, 1, blocks) for _, c, blocks in decodes]
+    qkv = torch.randn(len(decodes), H + 2 * KVH, D)
+    q, k, v = qkv[:, :H], qkv[:, H : H + KVH], qkv[:, H + KVH :]
+    pair = paged_attention.kv_pair(k, v)
+    assert pair is not None and torch.equal(pair, torch.stack((k, v)))
+    assert paged_attention.kv_pair(k.clone(), v.clone()) is None
+    results = []
+    for k_, v_ in ((k, v), (k.clone(), v.clone())):
+        pool = kv.clone()
+        rows = DecodeRows(L, KVH, D, torch.float32, BS, max_tokens=256, headroom=8)
+        md = paged_attention.build_metadata(seqs, BS, rows=(rows, rows.prepare(decodes, pool)))
+        out = paged_attention.PagedAttention(pool, md)(1, q, k_, v_)
+        results.append((out, pool, rows.buf.clone()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

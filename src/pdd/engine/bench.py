@@ -275,7 +275,9 @@ def start_workers(args, folder: Path, dtypes: list[str], sizes: dict, budget: in
               "--max-num-seqs", str(max(32, *sizes["decode_batches"])), "--max-model-len", str(longest + 8)]
     plan = []
     if getattr(args, "ours_in_worker", False):
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # this checkout's pdd
+        # this checkout's pdd, the one this process imported (the venv's editable install may
+        # point at another checkout, which a worker would otherwise import instead)
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
         for d in dtypes:
             plan.append((f"ours_w{SHORT[d]}", [sys.executable, script, "--backend", "pdd", "--dtype", d,
                                                "--block-size", str(args.block_size),

@@ -13,6 +13,8 @@ paged cache, which stays the one source of truth for export, prefix caching
 and layer streaming) and attention reads the rows in place, as a strided
 view ([B, KVH, ctx, D] per layer: each head's keys contiguous, which SDPA's
 CPU kernel read ~7% faster in bf16 than the token-major [B, ctx, KVH, D]).
+The new token's K and V are written by one `index_put_`, from the model's
+qkv output as it is (`layer_flat`, `RowsPlan.kv_index`).
 
 Lifecycle of a row, decided per step by `prepare` from (request id,
 context length) pairs, committed by `commit` once the forward pass succeeded:
@@ -60,6 +62,10 @@ class RowsPlan:
     mask: torch.Tensor                # [B, 1, 1, ctx_max] 0 / -inf, row order
     to_rows: torch.Tensor | None      # [B] decode index of each row (None: row i is decode i)
     to_decodes: torch.Tensor | None   # [B] row of each decode
+    kv_index: torch.Tensor            # [2, B, KVH] flat (K/V, row, head, position) of each new K and V,
+                                      # decode order: index_put_ into `layer_flat` writes both at once
+    keys: tuple[torch.Tensor, ...] = ()     # per layer, the [B, KVH, ctx_max, D] view attention reads
+    values: tuple[torch.Tensor, ...] = ()   # (made for all layers in two calls, not 3 per layer)
 
 
 class DecodeRows:
@@ -71,6 +77,8 @@ class DecodeRows:
         self.max_tokens = max_tokens
         self.headroom = headroom
         self.buf: torch.Tensor | None = None      # [L, 2, num_rows_cap, KVH, row_len, D]
+        self.layers: list[torch.Tensor] = []      # buf[l] per layer
+        self.flat: list[torch.Tensor] = []        # buf[l] as [2 * num_rows_cap * KVH * row_len, D]
         self.row_len = 0
         self.num_rows_cap = 0
         self.held: list[tuple[str, int] | None] = []   # per row: (request id, tokens held) or None
@@ -81,6 +89,7 @@ class DecodeRows:
     def release(self) -> None:
         """Drop the buffer itself (the engine is idle); the next prepare allocates a new one."""
         self.buf = None
+        self.layers, self.flat = [], []
         self.row_len = self.num_rows_cap = 0
         self.held = []
         self.blocks = {}
@@ -115,6 +124,9 @@ class DecodeRows:
         L, KVH, D = self.shape
         # zeros, not empty: padding positions are masked with -inf, and 0 * NaN would be NaN
         self.buf = torch.zeros(L, 2, rows, KVH, self.row_len, D, dtype=self.dtype)
+        # per layer, the views a step uses, made once here rather than 30 times a step
+        self.layers = list(self.buf.unbind(0))                    # [2, rows, KVH, row_len, D] each
+        self.flat = [b.view(-1, D) for b in self.layers]          # [2 * rows * KVH * row_len, D] each
         self.held = [None] * rows
         return True
 
@@ -156,6 +168,8 @@ class DecodeRows:
         KVH, n = self.shape[1], self.row_len
         slots = torch.tensor([(r * KVH + h) * n + c - 1 for r, c in zip(rows, ctxs) for h in range(KVH)],
                              dtype=torch.long)
+        half = self.num_rows_cap * KVH * n             # the V half of a layer, flattened
+        kv_index = torch.stack((slots, slots + half)).view(2, B, KVH)
         row_ctx = [0] * B
         for r, c in zip(rows, ctxs):
             row_ctx[r] = c
@@ -170,7 +184,9 @@ class DecodeRows:
                 inv[r] = i
             to_rows = torch.tensor(inv, dtype=torch.long)
             to_dec = torch.tensor(rows, dtype=torch.long)
-        return RowsPlan(slots, B, self.row_len, ctx_max, mask, to_rows, to_dec)
+        g = buf[:, :, :B, :, :ctx_max]                # [L, 2, B, KVH, ctx_max, D]
+        return RowsPlan(slots, B, self.row_len, ctx_max, mask, to_rows, to_dec, kv_index,
+                        g[:, 0].unbind(0), g[:, 1].unbind(0))
 
     def _refill(self, buf: torch.Tensor, row: int, kv: torch.Tensor, blocks: list[int], n: int) -> None:
         """Copy a sequence's first n tokens, all layers, from the pool into a row."""
@@ -199,4 +215,8 @@ class DecodeRows:
 
     def layer(self, layer: int) -> torch.Tensor:
         """[2, rows, KVH, row_len, D] of one layer: the view a step writes and reads."""
-        return self.buf[layer]
+        return self.layers[layer]
+
+    def layer_flat(self, layer: int) -> torch.Tensor:
+        """One layer's rows as [2 * rows * KVH * row_len, D], what `RowsPlan.kv_index` indexes."""
+        return self.flat[layer]

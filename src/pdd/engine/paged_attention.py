@@ -6,7 +6,9 @@ slots the scheduler assigned, and attends over each sequence's whole context.
 Single-token sequences (decodes) with short contexts are attended in one
 padded, masked SDPA call, over the contiguous rows the runner keeps for
 running decodes when it has them (`decode_rows.py`, `_decode_rows`: no
-gather) and otherwise over blocks gathered from the pool; with long
+gather; an all-decode step writes its K and V, adjacent in the model's qkv
+output, with one copy into the pool, `kv_pair`) and otherwise over blocks
+gathered from the pool; with long
 contexts one sequence at a time (see `_decode_each`); multi-token chunks
 (prefill, extend) one SDPA call each.
 
@@ -166,11 +168,24 @@ def build_metadata(
     return md
 
 
+def kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """k, v [T, KVH, D] -> both as one [2, T, KVH, D] view where v follows k in memory, token by
+    token (the model's fused qkv output), else None."""
+    if k.stride() != v.stride() or k.stride(-1) != 1 or k.stride(1) != k.shape[2]:
+        return None
+    step = k.shape[1] * k.shape[2]
+    if v.data_ptr() != k.data_ptr() + step * k.element_size():
+        return None
+    return k.as_strided((2,) + tuple(k.shape), (step,) + tuple(k.stride()))
+
+
 class PagedAttention:
     """Callable(layer, q[T,H,D], k[T,KVH,D], v[T,KVH,D]) -> out[T,H,D]."""
 
-    def __init__(self, kv: torch.Tensor, md: AttentionMetadata, progress=None):
+    def __init__(self, kv: torch.Tensor, md: AttentionMetadata, progress=None,
+                 kv_layers: tuple[torch.Tensor, ...] | None = None):
         self.kv = kv  # [L, 2, S, KVH, D]
+        self.kv_layers = kv.unbind(0) if kv_layers is None else kv_layers   # kv[l] per layer
         self.md = md
         self.progress = progress    # StepProgress: counts the layers whose KV this step has written
         self._dec_buf: torch.Tensor | None = None  # decode gather target, reused by every layer
@@ -179,7 +194,11 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = self.md
-        kv = self.kv[layer]                                   # [2, S, KVH, D]
+        kv = self.kv_layers[layer]                            # [2, S, KVH, D]
+        if md.rows is not None and md.all_decode:
+            pair = kv_pair(k, v)
+            if pair is not None:                              # the model's qkv output: K and V in one copy each
+                return self._decode_rows_pair(layer, kv, q, pair)
         _, S, KVH, D = kv.shape
         bs = md.block_size
         kv[0].index_copy_(0, md.slot_mapping, k)
@@ -243,11 +262,27 @@ class PagedAttention:
         D = kr.shape[-1]
         kr[0].view(-1, D).index_copy_(0, rp.slots, kd.reshape(-1, D))   # slots: (row, head, position)
         kr[1].view(-1, D).index_copy_(0, rp.slots, vd.reshape(-1, D))
-        g = kr[:, : rp.num_rows, :, : rp.ctx_max]                  # [2, B, KVH, ctx_max, D]
+        return self._attend_rows(layer, qd)
+
+    def _decode_rows_pair(self, layer: int, kv: torch.Tensor, qd: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
+        """`_decode_rows` for an all-decode step whose K and V are one [2, B, KVH, D] view:
+        one copy into the pool and one into the rows (four, and their views, otherwise)."""
+        md = self.md
+        rp = md.rows
+        kv.index_copy_(1, md.slot_mapping, pair)                   # pool [2, S, KVH, D]
+        if self.progress is not None:
+            self.progress.layers_written = layer + 1
+        rows = md.rows_kv
+        rows.layer_flat(layer).index_put_((rp.kv_index,), pair)   # rows, (K/V, row, head, position)
+        return self._attend_rows(layer, qd)
+
+    def _attend_rows(self, layer: int, qd: torch.Tensor) -> torch.Tensor:
+        """qd [B, H, D] (decode order) over the rows, which hold this step's K/V -> [B, H, D]."""
+        rp = self.md.rows
         if rp.to_rows is not None:
             qd = qd.index_select(0, rp.to_rows)                   # decode order -> row order
-        od = F.scaled_dot_product_attention(qd.unsqueeze(2), g[0], g[1], attn_mask=rp.mask,
-                                            enable_gqa=True).squeeze(2)  # [B, H, D]
+        od = F.scaled_dot_product_attention(qd.unsqueeze(2), rp.keys[layer], rp.values[layer],
+                                            attn_mask=rp.mask, enable_gqa=True).squeeze(2)  # [B, H, D]
         return od if rp.to_decodes is None else od.index_select(0, rp.to_decodes)
 
     def _decode_each(self, paged: torch.Tensor, qd: torch.Tensor, KVH: int, H: int, D: int) -> torch.Tensor:

@@ -50,6 +50,7 @@ class ModelRunner:
             model_cfg.num_layers, 2, cfg.num_blocks * cfg.block_size,
             model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype,
         )  # [L, 2, S, KVH, D]
+        self.kv_layers = self.kv.unbind(0)   # kv[l] per layer, made once
         self.num_steps = 0
         self.progress: StepProgress | None = None
         # Called on the engine thread when a step starts (which requests it
@@ -94,7 +95,7 @@ class ModelRunner:
             self.on_step_start()
         try:
             hidden = self.model.forward(
-                torch.tensor(ids), torch.tensor(pos), PagedAttention(self.kv, md, progress)
+                torch.tensor(ids), torch.tensor(pos), PagedAttention(self.kv, md, progress, self.kv_layers)
             )  # [T, hidden]
         except BaseException:
             if self.rows is not None:
@@ -113,7 +114,8 @@ class ModelRunner:
                 rows.append(i)
         out: list[int | None] = [None] * len(plan.seqs)
         if last:
-            logits = self.model.compute_logits(hidden[torch.tensor(last)])  # [N, V]
+            h = hidden if len(last) == hidden.shape[0] else hidden[torch.tensor(last)]   # all-decode: every row
+            logits = self.model.compute_logits(h, fp32=False)  # [N, V], the model's dtype (sample upcasts)
             for i, t in zip(rows, sample(logits, params, positions)):
                 out[i] = t
         return out

@@ -26,7 +26,8 @@ def _position_seed(seed: int, position: int) -> int:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
-    """logits: [N, V] fp32; positions: index of the token being sampled."""
+    """logits: [N, V] fp32 or bf16 (each row upcast to float64 where sampled); positions: index
+    of the token being sampled."""
     # max's indices are argmax's (the first maximal entry), ~3x faster over a 49K vocab on CPU
     out = logits.max(dim=-1).indices.tolist()
     for i, p in enumerate(params):

@@ -66,6 +66,15 @@ def linear(x: Tensor, w: Tensor, packed: Tensor | None = None) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return F.linear(x, w)
 
+
+def residual_linear(residual: Tensor, x: Tensor, w: Tensor, packed: Tensor | None = None) -> Tensor:
+    """residual + x @ w^T; through the packed copy, the add is the matmul's post-op (one call, one
+    pass: the same fp32 sum of the same two values, so the same bits as a separate add)."""
+    m = x.shape[0]
+    if packed is not None and PACKED_MIN_ROWS.get(x.dtype, 1) <= m <= PACKED_MAX_ROWS.get(x.dtype, m):
+        return linear_add(x, packed, residual)
+    return residual + F.linear(x, w)
+
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -105,12 +114,23 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [T, N, D] any dtype; cos/sin: [T, 1, D] fp32 -> result in x.dtype
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin [..., D] with its first half negated: rotate_half(x) * sin == roll(x, D/2) * signed_sin(sin),
+    exactly (a negation is exact), in one op instead of a chunk, a negation and a cat."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), -1)
+
+
+def apply_rope_(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """x [T, N, D] (any dtype) <- x * cos + rotate_half(x) * sin, in place, computed in fp32
+    (cos, sin_signed [T, 1, D] fp32): HF's arithmetic and rounding, in fewer passes; in place, so
+    the k it rotates stays next to v in the qkv output (one K/V copy into the cache)."""
     if x.dtype == torch.float32:
-        return x * cos + rotate_half(x) * sin
+        r = x.roll(x.shape[-1] // 2, -1).mul_(sin_signed)
+        return x.mul_(cos).add_(r)
     xf = x.float()
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    r = xf.roll(x.shape[-1] // 2, -1).mul_(sin_signed)
+    return x.copy_(xf.mul_(cos).add_(r))
 
 
 # ---------------------------------------------------------------------- layers
@@ -123,10 +143,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, hidden]; statistics in fp32 exactly as HF LlamaRMSNorm
-        in_dtype = x.dtype
+        # in place where it can be: the same ops, fewer tensors (fp32 skips the two no-op casts)
+        if x.dtype == torch.float32:
+            return self.weight * (x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_())
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(in_dtype)
+        s = xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return self.weight * (xf * s).to(x.dtype)
 
 
 def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -170,7 +192,7 @@ class LlamaBlock(nn.Module):
         self.packed = {n: pack_weight(getattr(self, n)) for n in names}
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionFn) -> Tensor:
-        # x: [T, hidden]
+        """x: [T, hidden]; cos, sin [T, 1, D]: fp32, sin with its first half negated (`signed_sin`)."""
         if self.fused:
             return self.forward_fused(x, cos, sin, attention)
         T = x.shape[0]
@@ -178,16 +200,14 @@ class LlamaBlock(nn.Module):
         pk = self.packed
         H, KVH = self.num_heads, self.num_kv_heads
         qkv = linear(h, self.wqkv, pk.get("wqkv")).view(T, H + 2 * KVH, self.head_dim)  # [T, H + 2*KVH, D]
-        # RoPE on q and k in one pass (same arithmetic per element as two, half the ops)
-        qk = apply_rope(qkv[:, : H + KVH], cos, sin)  # [T, H + KVH, D]
-        q, k = qk.split([H, KVH], dim=1)  # q: [T, H, D], k: [T, KVH, D] (views)
-        v = qkv[:, H + KVH :]  # v: [T, KVH, D]
-        o = attention(self.layer_idx, q, k, v)  # o: [T, H, D]
-        x = x + linear(o.reshape(T, self.q_size), self.wo, pk.get("wo"))  # [T, hidden]
+        # RoPE on q and k in one pass, in place (same arithmetic per element as two, fewer ops)
+        q, k = apply_rope_(qkv[:, : H + KVH], cos, sin).split([H, KVH], dim=1)  # [T, H, D], [T, KVH, D]
+        o = attention(self.layer_idx, q, k, qkv[:, H + KVH :])  # o: [T, H, D]
+        x = residual_linear(x, o.reshape(T, self.q_size), self.wo, pk.get("wo"))  # [T, hidden]
         h = self.post_attention_layernorm(x)
         gate_up = linear(h, self.w_gate_up, pk.get("w_gate_up"))  # gate_up: [T, 2*I]
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        return x + linear(F.silu(gate) * up, self.w_down, pk.get("w_down"))  # [T, hidden]
+        return residual_linear(x, F.silu(gate) * up, self.w_down, pk.get("w_down"))  # [T, hidden]
 
     def forward_fused(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attention: AttentionFn) -> Tensor:
         """`forward` in fewer passes (bf16; `fused.py`): cos, sin_signed [T, 1, D] in x's dtype."""
@@ -225,9 +245,9 @@ class LlamaModel(nn.Module):
         pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
         freqs = pos[:, None] * self.inv_freq[None, :]  # [n, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
-        # cos/sin: [n, 1, D] fp32 (the 1 broadcasts over heads)
+        # cos, signed sin: [n, 1, D] fp32 (the 1 broadcasts over heads)
         self.register_buffer("rope_cos", emb.cos().unsqueeze(1), persistent=False)
-        self.register_buffer("rope_sin", emb.sin().unsqueeze(1), persistent=False)
+        self.register_buffer("rope_sin_signed", signed_sin(emb.sin()).unsqueeze(1), persistent=False)
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         if positions.numel():
@@ -235,7 +255,7 @@ class LlamaModel(nn.Module):
             if top >= self.rope_cos.shape[0]:
                 # beyond max_position_embeddings: grow (quality is the model's business)
                 self._build_rope_cache(max(top + 1, 2 * self.rope_cos.shape[0]))
-        return self.rope_cos[positions], self.rope_sin[positions]  # [T, 1, D] each
+        return self.rope_cos[positions], self.rope_sin_signed[positions]  # [T, 1, D] each, sin signed_sin
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
@@ -245,19 +265,20 @@ class LlamaModel(nn.Module):
                 f"input_ids and positions must be 1-D of equal length, got "
                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
             )
-        cos, sin = self._rope(positions)
+        cos, sin = self._rope(positions)               # sin: first half negated (signed_sin)
         if self.layers and self.layers[0].fused:      # bf16 RoPE, as HF's Llama in bf16 (fused.rope_)
-            half = cos.shape[-1] // 2
-            cos, sin = cos.to(self.dtype), torch.cat((-sin[..., :half], sin[..., half:]), -1).to(self.dtype)
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         x = F.embedding(input_ids, self.embed_tokens)  # x: [T, hidden]
         for layer in self.layers:
-            x = layer(x, cos, sin, attention)
+            x = layer.forward(x, cos, sin, attention)  # (no module hooks: forward itself, 30 calls a step)
         return self.norm(x)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
+    def compute_logits(self, hidden: Tensor, fp32: bool = True) -> Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] in fp32, or with fp32=False in the model's dtype
+        (the same values: fp32 holds every bf16 value exactly; a sampler that upcasts needs no copy)."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, w, self.packed_logits).float()
+        logits = linear(hidden, w, self.packed_logits)
+        return logits.float() if fp32 else logits
 
     def pack(self, enabled: bool = True) -> None:
         """Make (or, with enabled=False, drop) the packed weight copies `linear` uses.
