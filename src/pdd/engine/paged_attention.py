@@ -271,7 +271,7 @@ class PagedAttention:
         rp = md.rows
         kv.index_copy_(1, md.slot_mapping, pair)                   # pool [2, S, KVH, D]
         if self.progress is not None:
-            self.progress.layers_written = layer + 1
+            self.progress.wrote(layer + 1)
         rows = md.rows_kv
         rows.layer_flat(layer).index_put_((rp.kv_index,), pair)   # rows, (K/V, row, head, position)
         return self._attend_rows(layer, qd)
