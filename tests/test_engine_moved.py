@@ -34,29 +34,35 @@ def test_a_move_while_the_reader_was_busy_is_not_lost_and_a_quiet_engine_times_o
     asyncio.run(main())
 
 
-def test_each_layer_written_wakes_a_waiting_reader(tiny_model):
-    """One prefill step: a reader waiting on `moved` is woken once per layer
-    (coalesced wake-ups may merge some), and sees layers_written grow."""
+def test_the_runner_reports_each_step_start_and_each_layer_written(tiny_model):
+    """What `EngineLoop.moved` is fed: one call at a step's start (its spans
+    known) and one after each layer's KV is written, with layers_written
+    counting up, on the engine's own thread."""
     engine = make_engine(tiny_model)
     layers = engine.runner.num_layers
+    seen = []
+    engine.runner.on_step_start = lambda: seen.append(("start", dict(engine.runner.progress.spans)))
+    engine.runner.on_progress = lambda: seen.append(("layer", engine.runner.progress.layers_written))
+    engine.submit(EngineRequest("r", prompt(5, 60), SamplingParams(max_tokens=1)))
+    engine.step()
+    assert seen[0] == ("start", {"r": (0, 60)})
+    assert seen[1:] == [("layer", n) for n in range(1, layers + 1)]
+
+
+def test_an_engine_loop_wakes_a_reader_waiting_on_it(tiny_model):
+    engine = make_engine(tiny_model)
 
     async def main():
         loop = EngineLoop(engine, asyncio.get_running_loop())
         loop.start()
         try:
+            seen = loop.moved.version
             q = await loop.submit(EngineRequest("r", prompt(5, 60), SamplingParams(max_tokens=1)))
-            seen_layers, wakes = set(), 0
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                seen = loop.moved.version
-                prog = engine.runner.progress
-                if prog is not None:
-                    seen_layers.add(prog.layers_written)
-                if not q.empty():
-                    break
-                await loop.moved.wait(seen, 5.0)
-                wakes += loop.moved.version != seen
-            assert wakes >= 2 and max(seen_layers) == layers
+            await loop.moved.wait(seen, 5.0)
+            assert loop.moved.version > seen
+            while await asyncio.wait_for(q.get(), 10) is not None:
+                pass
         finally:
             loop.stop()
+        assert engine.runner.on_progress is None      # unhooked when the loop stops
     asyncio.run(main())
