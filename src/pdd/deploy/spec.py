@@ -118,7 +118,9 @@ class DeploymentSpec:
 
     @property
     def kv_keepalive_s(self) -> float:
-        return min(5.0, self.kv_stall_s / 4)
+        from pdd.transport.stream import DEFAULT_KEEPALIVE_S
+
+        return min(DEFAULT_KEEPALIVE_S, self.kv_stall_s / 4)
 
     @property
     def mode(self) -> str:

@@ -36,14 +36,12 @@ from pdd.transport.frames import (
     DEFAULT_MAX_FRAME_BYTES, Begin, Block, Cancel, End, Error, FrameError, Part, Wait, encode_end, encode_error, encode_have,
 )
 from pdd.transport.state import TransferState, TransferStatus
-from pdd.transport.stream import STREAM_LIMIT_BYTES, FrameStream
+from pdd.transport.stream import DEFAULT_KEEPALIVE_S, DEFAULT_STALL_TIMEOUT_S, STREAM_LIMIT_BYTES, FrameStream
 from pdd.transport.tls import peer_names
 
 log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_TIMEOUT_S = 120.0  # an idle (between transfers) connection is closed silently
-DEFAULT_STALL_TIMEOUT_S = 30.0  # no frame (not even a WAIT) for this long mid-transfer: FAILED
-DEFAULT_KEEPALIVE_S = 5.0       # a WAIT this often while we hold HAVE back or import (the sender's stall timeout)
 DEFAULT_DEADLINE_GRACE_S = 1.0  # on top of the sender's deadline carried in BEGIN
 # Strangers mid-handshake per port. Senders open at most MAX_HANDSHAKES_PER_PEER
 # (kv_sender.py) at once per receiver, so a few prefill instances fit beneath.

@@ -27,7 +27,7 @@ from pdd.transport.frames import (
     encode_part,
 )
 from pdd.transport.state import TransferState, TransferStatus
-from pdd.transport.stream import FrameStream
+from pdd.transport.stream import DEFAULT_KEEPALIVE_S, DEFAULT_STALL_TIMEOUT_S, FrameStream
 from pdd.transport.tls import TlsPeer
 
 BlockSource = Union[Sequence[bytes], Callable[[int], Union[bytes, Awaitable[bytes]]]]
@@ -40,13 +40,6 @@ PartSource = Callable[[set[int]], AsyncIterator[tuple[int, int, int, bytes]]]
 # (host, port) -> how to reach it over TLS, or None: plain TCP there
 TlsResolver = Callable[[str, int], Union[TlsPeer, None]]
 DEFAULT_DEADLINE_S = 60.0
-# A WAIT this often while a transfer has nothing to write (P still computing,
-# or a background copy waiting its turn), well inside the receiver's stall
-# timeout (30 s): a queued transfer is not a stalled one.
-DEFAULT_KEEPALIVE_S = 5.0
-# The receiver silent this long (no frame, not even a WAIT) while we wait for
-# its HAVE or its END ack: a dead peer or a cut line, not a busy one.
-DEFAULT_STALL_TIMEOUT_S = 30.0
 
 
 class _PeerError(Exception):

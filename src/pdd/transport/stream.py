@@ -16,6 +16,11 @@ from collections import deque
 from pdd.transport.frames import DEFAULT_MAX_FRAME_BYTES, Frame, FrameDecoder, Wait, encode_wait
 
 READ_BYTES = 256 * 1024
+# Either side of a transfer: silent this long (no byte, not even a WAIT), the
+# peer is dead or the line cut; a side with nothing to send writes a WAIT this
+# often, well inside the other's stall timeout (a queued side is not a dead one).
+DEFAULT_STALL_TIMEOUT_S = 30.0
+DEFAULT_KEEPALIVE_S = 5.0
 STREAM_LIMIT_BYTES = 1024 * 1024  # StreamReader pauses the socket above 2x this
 
 
