@@ -378,6 +378,24 @@ class KVImport:
     def __init__(self, engine: Engine, manifest: KVManifest, pin_for: str | None):
         self.engine, self.manifest, self.pin_for = engine, manifest, pin_for
         self.num_written = 0
+        self.reserved: dict[int, int] = {}      # block index -> pool block taken for it at BEGIN
+
+    def reserve(self, indices) -> None:
+        """Take pool blocks for every block still to come, in one allocation.
+
+        A transfer's blocks then sit in consecutive pool blocks wherever the
+        pool has them, and decode attends them in place. Taken one at a time
+        as they land, a transfer on a slow line interleaves its blocks with
+        every other allocation (other transfers, decode's new blocks), and
+        decode has to gather the whole context at every step (measured: 35%
+        longer decode steps at 60 Mbit/s than at 1 Gbit/s). Owned by this
+        import until written; `close` gives back what was never written.
+        Without room now, blocks are taken as they land, as before."""
+        idx = sorted(indices)
+        pool = self.engine.pool
+        if not idx or not pool.enable_prefix_cache or len(idx) > pool.num_free:
+            return
+        self.reserved = dict(zip(idx, sorted(pool.allocate(len(idx)))))
 
     def add_block(self, index: int, payload: bytes) -> None:
         eng, h = self.engine, self.manifest.block_hashes[index]
@@ -385,16 +403,26 @@ class KVImport:
             raise KVImportError(f"KV block {index} has {len(payload)} bytes, expected {eng.layout.block_bytes}")
         if not eng.pool.enable_prefix_cache:
             raise KVImportError("this engine runs without a prefix cache: imported KV could not be found")
+        b = self.reserved.pop(index, None)
         existing = eng.pool.hash_to_block.get(h)
         if existing is not None:
+            if b is not None:
+                eng.pool.free([b])           # another transfer landed it first
             eng.pool.acquire([existing])
             eng._pin(self.pin_for, existing)
             return
-        try:
-            (b,) = eng.pool.allocate(1)
-        except NoFreeBlocks as e:
-            raise KVImportError(f"no room for imported KV: {e}") from None
+        if b is None:
+            try:
+                (b,) = eng.pool.allocate(1)
+            except NoFreeBlocks as e:
+                raise KVImportError(f"no room for imported KV: {e}") from None
         eng.runner.write_block(b, payload)
         eng.pool.commit(b, h)
         self.num_written += 1
         eng._pin(self.pin_for, b)
+
+    def close(self) -> None:
+        """The transfer ended (or was dropped): give back blocks reserved and never written."""
+        reserved, self.reserved = self.reserved, {}
+        if reserved:
+            self.engine.pool.free(list(reserved.values()))

@@ -10,8 +10,8 @@ Roles and their calls (all under /internal/, signed, see http_auth.py):
   all         POST abort, POST match (cached prefix length), GET stats
 Public: GET /health, GET /metrics (Prometheus text).
 
-KV arrival and the decode call may come in either order: whichever comes
-first creates the request's KVArrival, the other completes or awaits it.
+The incoming KV a decode call waits on is kept by `kv_arrivals.KVArrivals`
+(the KV receiver's handler).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from aiohttp import web
@@ -27,40 +27,24 @@ from aiohttp import web
 from pdd.deploy.spec import ROUTER_CERT_NAME, DeploymentSpec, InstanceSpec, Role
 from pdd.engine.engine import Engine, InvalidRequestError
 from pdd.engine.hashing import hash_blocks
-from pdd.engine.kv_codec import BLOCK_DIGEST, KVImportError, open_block
 from pdd.engine.request import EngineRequest
 from pdd.keys import DeploymentKeys
-from pdd.policy import PolicyConfig, wait_for_siblings
+from pdd.policy import PolicyConfig
 from pdd.server.engine_loop import EngineLoop
 from pdd.server.http_auth import internal_auth_middleware
 from pdd.server.instance_metrics import InstanceMetrics
+from pdd.server.kv_arrivals import KVArrivals, spawn
 from pdd.server.prefill_job import PrefillJob
 from pdd.server.wire import NdjsonWriter, sampling_from_dict
 from pdd.transport import tls
 from pdd.transport.kv_receiver import KVReceiver
 from pdd.transport.kv_sender import KVSender
-from pdd.transport.state import TransferStatus
 
 log = logging.getLogger(__name__)
 
 
 def bad_request(msg: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": msg, "type": "invalid_request_error"}}, status=status)
-
-
-@dataclass
-class KVArrival:
-    """One request's incoming prompt KV (decode side)."""
-    done: asyncio.Future
-    created_s: float = field(default_factory=time.monotonic)
-    importer: object | None = None
-    status: TransferStatus | None = None
-    hashes: list = field(default_factory=list)       # the transfer's block hashes (BEGIN)
-    skipped: set = field(default_factory=set)        # indices this receiver already held (HAVE)
-    landed: set = field(default_factory=set)         # indices whose blocks are in the pool
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-    warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
-    claimed: bool = False         # a decode call waits for it (under its own timeout: never expired)
 
 
 def _tls_peer_middleware(allowed: frozenset[str]):
@@ -75,6 +59,8 @@ def _tls_peer_middleware(allowed: frozenset[str]):
 
 
 class InstanceServer:
+    arrivals_class = KVArrivals       # what handles incoming KV (the vLLM server stages it instead)
+
     def __init__(self, spec: DeploymentSpec, inst: InstanceSpec, secret: bytes, engine: Engine,
                  tls_dir: Path | None = None):
         self.spec, self.inst, self.engine = spec, inst, engine
@@ -83,12 +69,12 @@ class InstanceServer:
         self.loop: EngineLoop | None = None
         self.receiver: KVReceiver | None = None
         self.sender: KVSender | None = None
-        self.arrivals: dict[str, KVArrival] = {}
         self.jobs: dict[str, PrefillJob] = {}
         self._cleanups: set[asyncio.Task] = set()   # fire-and-forget releases, kept referenced
         self.metrics = InstanceMetrics(inst.name, inst.role.value)
         self.policy = PolicyConfig.from_dict(spec.policy)
         self.kv_reuse = self.policy.enable_drc
+        self.arrivals = self.arrivals_class(spec, engine, self.policy, self.metrics)
         # Bodies are read (up to client_max_size) only after the signature checked out.
         middlewares = [internal_auth_middleware(self.keys.internal_http, inst.name)]
         if tls.http_tls(spec, inst):
@@ -117,10 +103,11 @@ class InstanceServer:
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
         self.loop.on_step = self.metrics.on_events
         self.loop.start()
+        self.arrivals.loop = self.loop
         spec, inst = self.spec, self.inst
         if inst.role.decodes:
             kv_tls = tls.server_context(self._tls_files()) if tls.kv_tls(spec, inst) else None
-            self.receiver = await KVReceiver.start(inst.host, inst.kv_port, self.keys.kv, self,
+            self.receiver = await KVReceiver.start(inst.host, inst.kv_port, self.keys.kv, self.arrivals,
                                                    tls=kv_tls, tls_peers=tls.kv_senders(spec),
                                                    stall_timeout_s=spec.kv_stall_s,
                                                    keepalive_s=spec.kv_keepalive_s)
@@ -134,7 +121,8 @@ class InstanceServer:
         if tls.http_tls(spec, inst):
             http_tls = tls.server_context(self._tls_files(), require_client_cert=False)
         await web.TCPSite(runner, inst.host, inst.port, ssl_context=http_tls).start()
-        asyncio.get_running_loop().create_task(self._expire_arrivals())
+        if inst.role.decodes:
+            spawn(self.arrivals.expire_forever(), self._cleanups)
         return runner
 
     def _tls_files(self) -> tls.TlsFiles:
@@ -205,9 +193,9 @@ class InstanceServer:
         rid = str(body.get("request_id"))
         await self.loop.abort(rid)
         if body.get("keep_kv"):
-            self._let_land(rid, "aborted")
+            self.arrivals.let_land(rid, "aborted")
         else:
-            self._drop_arrival(rid)
+            self.arrivals.drop(rid)
         return web.json_response({"aborted": rid})
 
     # -- colocated --------------------------------------------------------------
@@ -288,134 +276,6 @@ class InstanceServer:
             job.release()
         return web.json_response({"ok": job is not None})
 
-    # -- decode side: KV receiver handler ------------------------------------------
-    def _arrival(self, rid: str) -> KVArrival:
-        a = self.arrivals.get(rid)
-        if a is None:
-            a = self.arrivals[rid] = KVArrival(asyncio.get_running_loop().create_future())
-        return a
-
-    def _drop_arrival(self, rid: str) -> None:
-        a = self.arrivals.pop(rid, None)
-        if a is not None:
-            a.ended.set()
-        if a is not None and not a.done.done():
-            a.done.set_exception(RuntimeError("aborted"))
-            a.done.exception()  # mark retrieved
-        asyncio.get_running_loop().create_task(self.loop.call(lambda e: e._release_pins(rid)))
-
-    def _siblings_bringing(self, request_id: str, wanted: set[bytes]) -> tuple[int, list[KVArrival]]:
-        """(how many of the `wanted` hashes, those this receiver lacks, are on
-        their way in another transfer, those transfers)."""
-        wanted = set(wanted)
-        count, siblings = 0, []
-        for rid, b in self.arrivals.items():
-            if rid == request_id or b.importer is None or b.status is not None:
-                continue
-            coming = {h for i, h in enumerate(b.hashes) if i not in b.skipped and i not in b.landed} & wanted
-            if coming:
-                count += len(coming)
-                wanted -= coming
-                siblings.append(b)
-        return count, siblings
-
-    async def _wait_for_siblings(self, request_id: str, hashes: list[bytes]) -> None:
-        """DRC under a slow line: when most of what this transfer lacks is
-        already on its way in another one (the previous turn of the same
-        conversation, say), answer HAVE only once that one has ended, so the
-        same blocks do not cross the WAN twice. Bounded: a slow or failed
-        sibling only means the blocks are sent after all."""
-        if not self.kv_reuse:
-            return
-        lacking = {h for h in hashes if not self.engine.pool.holds(h)}
-        coming, siblings = self._siblings_bringing(request_id, lacking)
-        if not siblings or not wait_for_siblings(len(lacking), coming, self.policy):
-            return
-        waits = [asyncio.ensure_future(b.ended.wait()) for b in siblings]
-        done, pending = await asyncio.wait(waits, timeout=self.spec.kv_deadline_s / 2)
-        for w in pending:
-            w.cancel()
-
-    async def on_begin(self, request_id: str, meta: dict, block_hashes: list[bytes]) -> set[int]:
-        if meta.get("block_digest") != BLOCK_DIGEST:
-            # Without the per-block seal a block altered before or after the wire could not be told apart.
-            raise KVImportError(f"KV blocks must be sealed with {BLOCK_DIGEST} (got {meta.get('block_digest')!r})")
-        a = self._arrival(request_id)
-        a.warm = bool(meta.get("warm"))
-        a.hashes = list(block_hashes)
-        await self._wait_for_siblings(request_id, a.hashes)
-        if self.arrivals.get(request_id) is not a:
-            # The decode call left while we waited (its arrival was dropped):
-            # land it as a warm push, unpinned at its END, instead of leaving
-            # pins that no request and no record would ever release.
-            a.warm = True
-            self.arrivals[request_id] = a
-
-        def begin(e: Engine) -> set[int]:
-            a.importer = e.begin_import(meta, block_hashes, pin_for=request_id)
-            held = e.held_block_indices(block_hashes) if self.kv_reuse else set()
-            for i in sorted(held):                    # pin what we have so it cannot be evicted meanwhile
-                block = e.pool.hash_to_block[block_hashes[i]]
-                e.pool.acquire([block])
-                e._pin(request_id, block)
-            return held
-
-        # The pool lock, not the engine thread: HAVE goes back while a step
-        # runs, instead of after it (up to a whole prefill chunk).
-        a.skipped = self.loop.call_now(begin)
-        return a.skipped
-
-    async def on_block(self, request_id: str, index: int, block_hash: bytes, payload: bytes) -> None:
-        a = self.arrivals.get(request_id)
-        if a is None or a.importer is None:
-            raise KVImportError(f"no transfer begun for {request_id}")
-        # The import check: from here to the pool the bytes are an immutable
-        # object, so what passes is what the sender read. A mismatch fails the
-        # transfer (the receiver answers ERROR), so the request takes the
-        # policy's failure path instead of decoding on altered KV.
-        payload = open_block(payload, index)
-        # Into the pool as it lands, during the engine's step: at END every
-        # block is already there, so a transfer costs no wait for a step.
-        self.loop.call_now(lambda e: a.importer.add_block(index, payload))
-        a.landed.add(index)
-
-    async def on_end(self, request_id: str, status: TransferStatus) -> None:
-        a = self.arrivals.get(request_id)
-        if a is None:
-            return
-        a.status = status
-        a.ended.set()
-        self.metrics.on_kv_received(status)
-        if a.warm:
-            # The blocks stay in the prefix cache (committed as they landed);
-            # nothing waits for them, so unpin now rather than at expiry.
-            self._drop_arrival(request_id)
-            return
-        if not a.done.done():
-            if status.ok:
-                a.done.set_result(status)
-            else:
-                a.done.set_exception(RuntimeError(f"KV transfer failed: {status.error}"))
-        if not status.ok or not a.claimed:
-            # A broken copy feeds no request (a decode call waiting, or one
-            # still to come, gets the error); a copy no decode call waits for
-            # (its caller left before it began, or never reached us) may feed
-            # none. Unpin now, not at the record's expiry: the blocks stay in
-            # the prefix cache, so a decode call that does come late still
-            # finds them (or, if evicted meanwhile, recomputes them).
-            self._spawn(self.loop.call(lambda e: e._release_pins(request_id)))
-
-    async def _expire_arrivals(self) -> None:
-        while True:
-            await asyncio.sleep(5.0)
-            now = time.monotonic()
-            for rid, a in list(self.arrivals.items()):
-                # A decode call may wait longer than this for its KV while P's
-                # queue is long (overload): its own timeout governs it.
-                if (not a.claimed and now - a.created_s > self.spec.kv_deadline_s * 2
-                        and rid not in self.engine.requests):
-                    self._drop_arrival(rid)
-
     # -- decode side: requests -------------------------------------------------------
     async def decode(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -427,7 +287,7 @@ class InstanceServer:
         except (KeyError, TypeError, ValueError) as e:
             return bad_request(str(e))
         timeout_s = float(body.get("kv_timeout_s", self.spec.kv_deadline_s))
-        arrival = self._arrival(rid)
+        arrival = self.arrivals.get(rid)
         arrival.claimed = True
         streamed = False
         try:
@@ -438,7 +298,7 @@ class InstanceServer:
                     msg = str(e) or f"KV did not arrive within {timeout_s:.1f} s"
                     await out.send({"event": "finished", "reason": "error", "error": msg, "ts": time.time()})
                     return out.resp
-                self.arrivals.pop(rid, None)
+                self.arrivals.consumed(rid)
                 first = int(status.meta.get("first_token"))
                 await out.send({"event": "kv_ready", "ts": time.time(), "payload_bytes": status.payload_bytes,
                                 "blocks": status.num_blocks_sent, "skipped": status.num_blocks_skipped,
@@ -467,7 +327,7 @@ class InstanceServer:
         (2 x kv_deadline_s; until then those blocks count as used). What
         landed stays in the prefix cache; a transfer still landing finishes
         as a warm push (unpinned at its END)."""
-        self._let_land(rid, "decode call ended")
+        self.arrivals.let_land(rid, "decode call ended")
 
         async def release() -> None:
             # abort also ends a request whose submit went through as the call
@@ -477,26 +337,9 @@ class InstanceServer:
 
         self._spawn(release())
 
-    def _let_land(self, rid: str, why: str) -> None:
-        """The request is gone: a transfer still landing for it finishes as a
-        warm push into the prefix cache (unpinned at its END); otherwise the
-        arrival is dropped now. One whose BEGIN has not come yet is dropped
-        too: when it comes, no decode call waits for it, and such a copy is
-        also unpinned at its END, its blocks left in the cache."""
-        a = self.arrivals.get(rid)
-        if a is not None and a.importer is not None and a.status is None:
-            a.warm = True
-            if not a.done.done():
-                a.done.set_exception(RuntimeError(why))
-                a.done.exception()  # mark retrieved
-        else:
-            self._drop_arrival(rid)
-
     def _spawn(self, coro) -> None:
         """Run a release that must outlive a cancelled handler."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
+        spawn(coro, self._cleanups)
 
     async def extend(self, request: web.Request) -> web.Response:
         body = await request.json()

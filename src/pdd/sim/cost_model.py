@@ -85,7 +85,7 @@ class CostModel:
     # --- the two roofline inputs, at the profile's peak ------------------
     def compute_s(self, s: StepShape) -> float:
         flops = self.model.linear_flops(s.num_tokens) + self.model.attention_flops(s.pairs())
-        return flops / (self.chips * self.hw.peak_flops)
+        return flops / (self.chips * self.hw.peak_for(self.model.weight_bytes_per_param))
 
     def memory_s(self, s: StepShape) -> float:
         kv = self.model.kv_bytes_per_token * (sum(s.context_lens) + s.num_tokens)
@@ -223,7 +223,7 @@ class FastStepTime:
         self._w_total = m.total_params * m.weight_bytes_per_param
         self._w_active = m.active_params * m.weight_bytes_per_param
         self._kv = float(m.kv_bytes_per_token)
-        self._inv_f = 1.0 / (n * c.hw.peak_flops * c.mfu)
+        self._inv_f = 1.0 / (n * c.hw.peak_for(m.weight_bytes_per_param) * c.mfu)
         self._inv_b = 1.0 / (n * c.hw.mem_bw_bytes_s * c.mbu)
         self._comm = (m.allreduce_bytes(1) * 2 * (n - 1) / n / c.hw.interconnect_bytes_s
                       if n > 1 else 0.0)

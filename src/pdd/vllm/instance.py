@@ -22,6 +22,7 @@ from aiohttp import web
 from pdd.deploy.spec import DeploymentSpec, InstanceSpec, Role
 from pdd.engine.kv_codec import BLOCK_DIGEST, KVImportError, KVManifest, open_block
 from pdd.server.instance import InstanceServer
+from pdd.server.kv_arrivals import KVArrivals
 from pdd.transport.state import TransferStatus
 from pdd.vllm.engine import VllmEngine
 from pdd.vllm.prefix import VllmPrefixIndex
@@ -43,17 +44,10 @@ class StagedTransfer:
         self.payloads[index] = payload
 
 
-class VllmInstanceServer(InstanceServer):
-    def __init__(self, spec: DeploymentSpec, inst: InstanceSpec, secret: bytes, engine: VllmEngine,
-                 tls_dir: Path | None = None):
-        super().__init__(spec, inst, secret, engine, tls_dir)
-        self.prefix = VllmPrefixIndex(engine.llm.engine_core.engine_core, engine.cfg.block_size)
+class VllmKVArrivals(KVArrivals):
+    """Incoming KV for a vLLM engine: HAVE from vLLM's prefix cache, blocks staged
+    for the connector (vLLM owns its pool)."""
 
-    async def match(self, request: web.Request) -> web.Response:
-        ids = (await request.json()).get("prompt_ids", [])
-        return web.json_response({"matched_tokens": self.prefix.matched_tokens([int(t) for t in ids])})
-
-    # -- receiver --------------------------------------------------------------------
     async def on_begin(self, request_id: str, meta: dict, block_hashes: list[bytes]) -> set[int]:
         from pdd.vllm.connector import HUB
 
@@ -61,7 +55,7 @@ class VllmInstanceServer(InstanceServer):
             raise KVImportError(f"KV blocks must be sealed with {BLOCK_DIGEST} (got {meta.get('block_digest')!r})")
         manifest = KVManifest.from_meta(meta, block_hashes)
         manifest.check_against(self.engine.layout)     # model, layout, and hashes re-derived from the token ids
-        a = self._arrival(request_id)
+        a = self.get(request_id)
         a.warm = bool(meta.get("warm"))
         a.hashes = list(block_hashes)
         a.importer = StagedTransfer(manifest, HUB.block_bytes)
@@ -75,7 +69,7 @@ class VllmInstanceServer(InstanceServer):
         return a.skipped
 
     async def on_block(self, request_id: str, index: int, block_hash: bytes, payload: bytes) -> None:
-        a = self.arrivals.get(request_id)
+        a = self.by_id.get(request_id)
         if a is None or a.importer is None:
             raise KVImportError(f"no transfer begun for {request_id}")
         a.importer.add_block(index, open_block(payload, index))
@@ -84,7 +78,7 @@ class VllmInstanceServer(InstanceServer):
     async def on_end(self, request_id: str, status: TransferStatus) -> None:
         from pdd.vllm.connector import HUB
 
-        a = self.arrivals.get(request_id)
+        a = self.by_id.get(request_id)
         if a is not None and status.ok and a.importer is not None:
             # Staged before the decode call (woken by the base class) submits.
             HUB.stage(request_id, a.importer.payloads)
@@ -94,6 +88,19 @@ class VllmInstanceServer(InstanceServer):
                 ids = list(a.importer.manifest.token_ids)
                 await self.loop.call(lambda e: e.absorb(request_id, ids))
         await super().on_end(request_id, status)
+
+
+class VllmInstanceServer(InstanceServer):
+    arrivals_class = VllmKVArrivals
+
+    def __init__(self, spec: DeploymentSpec, inst: InstanceSpec, secret: bytes, engine: VllmEngine,
+                 tls_dir: Path | None = None):
+        super().__init__(spec, inst, secret, engine, tls_dir)
+        self.prefix = VllmPrefixIndex(engine.llm.engine_core.engine_core, engine.cfg.block_size)
+
+    async def match(self, request: web.Request) -> web.Response:
+        ids = (await request.json()).get("prompt_ids", [])
+        return web.json_response({"matched_tokens": self.prefix.matched_tokens([int(t) for t in ids])})
 
 
 def build_engine(inst: InstanceSpec, model_dir: Path) -> VllmEngine:
