@@ -36,7 +36,6 @@ block-aligned part in the background pays off.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 
