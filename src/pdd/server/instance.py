@@ -73,7 +73,6 @@ class InstanceServer:
         self._cleanups: set[asyncio.Task] = set()   # fire-and-forget releases, kept referenced
         self.metrics = InstanceMetrics(inst.name, inst.role.value)
         self.policy = PolicyConfig.from_dict(spec.policy)
-        self.kv_reuse = self.policy.enable_drc
         self.arrivals = self.arrivals_class(spec, engine, self.policy, self.metrics)
         # Bodies are read (up to client_max_size) only after the signature checked out.
         middlewares = [internal_auth_middleware(self.keys.internal_http, inst.name)]
