@@ -1,0 +1,75 @@
+"""The decode side's receiver handler (`KVArrivals`) takes a transfer's pool
+blocks at BEGIN and gives back what never landed: when the transfer fails,
+and when its arrival is dropped mid-way. Nothing leaks; what landed stays
+in the prefix cache."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from pdd.deploy.spec import load_spec
+from pdd.engine.kv_codec import BLOCK_DIGEST, seal_block
+from pdd.policy import PolicyConfig
+from pdd.server.engine_loop import EngineLoop
+from pdd.server.instance_metrics import InstanceMetrics
+from pdd.server.kv_arrivals import KVArrivals
+from pdd.transport.state import TransferStatus
+from test_engine import make_engine, prompt
+from test_kv_export import prefill
+
+SPEC = load_spec(Path(__file__).resolve().parents[1] / "examples" / "pdd.toml")
+
+
+def exported(tiny_model, p: list[int]):
+    src = make_engine(tiny_model)
+    prefill(src, "r", p)
+    m = src.kv_manifest("r")
+    return m, [src.read_block("r", i) for i in range(len(m.block_hashes))]
+
+
+async def settle(loop: EngineLoop) -> None:
+    for _ in range(3):                      # the spawned releases run on the engine thread
+        await asyncio.sleep(0.05)
+        await loop.call(lambda e: None)
+
+
+def run_case(tiny_model, end_how: str) -> None:
+    manifest, blocks = exported(tiny_model, prompt(21, 120))
+    hashes = list(manifest.block_hashes)
+    engine = make_engine(tiny_model)
+    base = engine.pool.num_used
+
+    async def go():
+        arrivals = KVArrivals(SPEC, engine, PolicyConfig(), InstanceMetrics("md0", "main"))
+        loop = arrivals.loop = EngineLoop(engine, asyncio.get_running_loop())
+        loop.start()
+        try:
+            held = await arrivals.on_begin("r", manifest.to_meta() | {"block_digest": BLOCK_DIGEST}, hashes)
+            assert held == set()
+            assert engine.pool.num_used == base + len(blocks)          # every block's slot taken at BEGIN
+            for i in range(2):
+                await arrivals.on_block("r", i, hashes[i], seal_block(blocks[i]))
+            if end_how == "fails":
+                status = TransferStatus("r", num_blocks=len(blocks))
+                status.fail("connection reset mid-transfer", time.monotonic())
+                await arrivals.on_end("r", status)
+            else:
+                arrivals.drop("r")                                     # the request was aborted
+            await settle(loop)
+            assert engine.pool.num_used == base, (engine.pool.num_used, base)
+            assert len(engine.pool.lookup_prefix(hashes)) == 2         # what landed stays cached
+            assert len(arrivals) == (1 if end_how == "fails" else 0)   # a failed one waits for its decode call
+        finally:
+            loop.stop()
+
+    asyncio.run(go())
+
+
+def test_a_failed_transfer_gives_back_the_blocks_it_never_wrote(tiny_model):
+    run_case(tiny_model, "fails")
+
+
+def test_a_dropped_arrival_gives_back_the_blocks_it_never_wrote(tiny_model):
+    run_case(tiny_model, "dropped")
