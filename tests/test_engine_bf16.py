@@ -179,8 +179,9 @@ def test_a_bf16_deployment_sizes_kv_in_bf16(tmp_path):
     from pdd.sim.deployment import model_shape
 
     doc = tomllib.loads((ROOT / "examples" / "pdd.toml").read_text())
+    doc.setdefault("engine", {})["dtype"] = "float32"
     base = model_shape(parse_spec(doc))
-    doc.setdefault("engine", {})["dtype"] = "bfloat16"
+    doc["engine"]["dtype"] = "bfloat16"
     spec = parse_spec(doc)
     assert all(i.engine.dtype == "bfloat16" and i.engine.dtype_bytes == 2 for i in spec.instances)
     half = model_shape(spec)
