@@ -26,12 +26,9 @@ from pdd.policy import RelayBudgets
 from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.lifecycle_log import decision_log, entry
 from pdd.sim.runtime import RuntimeMode, run_runtime_mode
+from test_sim_events import AS_WRITTEN   # the example as these paths were counted on (fp32, 100 Mbit/s, loan 8)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-# The example as it was when the paths below were counted (fp32, 100 Mbit/s,
-# the default start-up loan): a bf16 P on today's 60 Mbit/s line with a loan
-# of one answer takes fewer of the paths (no one-shot handoff, for one).
-AS_WRITTEN = {"engine": {"dtype": "float32"}, "links": {"bandwidth_mbps": 100.0}, "policy": {"relay_startup_loan": 8}}
 
 
 # 100 requests each, ~1 s: the paths below; "quick+cuts": the WAN cut for
