@@ -73,3 +73,46 @@ def test_a_failed_transfer_gives_back_the_blocks_it_never_wrote(tiny_model):
 
 def test_a_dropped_arrival_gives_back_the_blocks_it_never_wrote(tiny_model):
     run_case(tiny_model, "dropped")
+
+
+def test_a_follow_up_waits_for_a_sibling_copy_however_long_it_queues(tiny_model):
+    # The next turn's copy lacks what the previous turn's copy is still
+    # bringing: HAVE waits for that copy's end, not a fixed part of the KV
+    # deadline (half of it until session 13: past it, every later turn of the
+    # conversation resent the shared context and the line's backlog fed on
+    # itself, results/overload-13).
+    import dataclasses
+
+    first = prompt(21, 120)
+    manifest, blocks = exported(tiny_model, first)
+    follow_manifest, _ = exported(tiny_model, first + prompt(22, 40))
+    hashes, follow = list(manifest.block_hashes), list(follow_manifest.block_hashes)
+    assert follow[:len(hashes)] == hashes
+    engine = make_engine(tiny_model)
+    spec = dataclasses.replace(SPEC, kv_deadline_s=0.2)      # the old bound would be 0.1 s
+
+    async def go():
+        arrivals = KVArrivals(spec, engine, PolicyConfig(), InstanceMetrics("md0", "main"))
+        loop = arrivals.loop = EngineLoop(engine, asyncio.get_running_loop())
+        loop.start()
+        meta = manifest.to_meta() | {"block_digest": BLOCK_DIGEST}
+        try:
+            assert await arrivals.on_begin("t0", meta, hashes) == set()
+            waiting = asyncio.ensure_future(arrivals.on_begin(
+                "t1", follow_manifest.to_meta() | {"block_digest": BLOCK_DIGEST}, follow))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()                          # still waiting for t0's copy
+            for i, h in enumerate(hashes):
+                await arrivals.on_block("t0", i, h, seal_block(blocks[i]))
+            status = TransferStatus("t0", num_blocks=len(hashes))
+            status.succeed(time.monotonic())
+            await arrivals.on_end("t0", status)
+            held = await asyncio.wait_for(waiting, 5)
+            assert held == set(range(len(hashes)))             # only the new blocks still to cross
+            arrivals.drop("t0")
+            arrivals.drop("t1")
+            await settle(loop)
+        finally:
+            loop.stop()
+
+    asyncio.run(go())

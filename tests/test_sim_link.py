@@ -102,3 +102,33 @@ def test_p_s_reported_progress_moves_a_streamed_flow_s_envelope():
     assert not done
     assert link.flows["stream"].num_bytes - link.flows["stream"].remaining == pytest.approx(60 + 10 * 40 / 90)
     assert drain(link, nxt) == {"stream": pytest.approx(8.0)}  # then P's 10 B/s: the last 40 by t=8
+
+
+def _run_background(link, adds):
+    """Background flows added at their times (t, id, bytes), completions
+    handled in time order: flow id -> end time."""
+    ends, nxt, i = {}, None, 0
+    while i < len(adds) or nxt:
+        if i < len(adds) and (nxt is None or adds[i][0] <= nxt[0]):
+            t, fid, size = adds[i]
+            i += 1
+            nxt = link.add(t, fid, size, background=True)
+        else:
+            done, nxt = link.complete(*nxt)
+            ends.update({f.flow_id: link._last_s for f in done})
+    return ends
+
+
+def test_a_big_yielding_flow_is_not_starved_past_the_bound():
+    # A 500-byte copy and a 100-byte one arriving every second: fewest bytes
+    # left first alone keeps the big one waiting behind every small one.
+    adds = [(0.0, "big", 500)] + [(float(k), f"s{k}", 100) for k in range(5)]
+    srpt = _run_background(Link("l", 100.0, 0.0), adds)
+    assert srpt["big"] == pytest.approx(10.0)
+    assert [srpt[f"s{k}"] for k in range(5)] == pytest.approx([1, 2, 3, 4, 5])
+    # With the bound (pdd.policy.line_order): at 2.5 s the big one has waited
+    # long enough and goes first (s2 paused half-way); the small ones that
+    # waited meanwhile follow, oldest first.
+    bounded = _run_background(Link("l", 100.0, 0.0, max_yield_s=2.5), adds)
+    assert bounded["big"] == pytest.approx(7.5)
+    assert [bounded[f"s{k}"] for k in range(5)] == pytest.approx([1, 2, 8, 9, 10])

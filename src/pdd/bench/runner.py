@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import ssl
 import sys
 import time
@@ -33,7 +32,7 @@ from pdd.deploy.spec import link_overrides
 from pdd.measure.files import save_workload, write_json, write_records
 from pdd.measure.metrics import Sla, summarize_mode
 from pdd.measure.records import RequestRecord
-from pdd.measure.workload import Workload, WorkloadRequest, hit_rate_histogram
+from pdd.measure.workload import Workload, hit_rate_histogram, warmup_requests
 
 ABLATIONS: dict[str, dict] = {
     "no-drc": {"policy": {"enable_drc": False}},
@@ -107,18 +106,6 @@ def _default_factory() -> Callable:
     return Deployment.start
 
 
-def warmup_requests(workload: Workload, n: int) -> list[WorkloadRequest]:
-    """`n` short requests of fresh random ids (within the workload's id range, so
-    valid for its vocabulary) that share no prefix with the workload."""
-    ids = [t for r in workload.requests for t in (min(r.prompt_token_ids), max(r.prompt_token_ids))]
-    if not ids or n <= 0:
-        return []
-    lo, hi = min(ids), max(ids)
-    rng = random.Random("warmup")
-    return [WorkloadRequest(f"warmup-{i}", 0.0, [rng.randint(lo, hi) for _ in range(32)], 4)
-            for i in range(n)]
-
-
 def run_mode(spec: ModeSpec, workload: Workload, out: Path, sla: Sla, client: dict,
              factory: Callable, warmup: int = 1) -> tuple[dict, list[RequestRecord]]:
     mode_dir = out / spec.name
@@ -143,7 +130,7 @@ def run_mode(spec: ModeSpec, workload: Workload, out: Path, sla: Sla, client: di
     summary["hit_rate_histogram"] = hit_rate_histogram([r.hit_rate for r in records if not r.failed])
     summary.update({"config": spec.config_path, "overrides": spec.overrides,
                     "deployment": getattr(dep, "name", spec.name), "startup_s": startup_s,
-                    "cpu_s": cpu})
+                    "cpu_s": cpu, "warmup_requests": max(warmup, 0)})
     return summary, records
 
 

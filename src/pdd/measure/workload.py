@@ -129,6 +129,20 @@ def with_poisson_arrivals(workload: Workload, rate_per_s: float, seed: int) -> W
     return workload
 
 
+def warmup_requests(workload: Workload, n: int) -> list[WorkloadRequest]:
+    """`n` short requests of fresh random ids (within the workload's id range, so
+    valid for its vocabulary) that share no prefix with the workload: what
+    `pdd bench --warmup` sends before each mode's run, and what the
+    simulator's replay routes before the run as that router did."""
+    ids = [t for r in workload.requests for t in (min(r.prompt_token_ids), max(r.prompt_token_ids))]
+    if not ids or n <= 0:
+        return []
+    lo, hi = min(ids), max(ids)
+    rng = random.Random("warmup")
+    return [WorkloadRequest(f"warmup-{i}", 0.0, [rng.randint(lo, hi) for _ in range(32)], 4)
+            for i in range(n)]
+
+
 def theoretical_hit_rates(requests: list[WorkloadRequest], block_size: int) -> list[float]:
     """Prefix hit rate of each request against an unbounded block prefix cache.
 

@@ -113,7 +113,8 @@ class InstanceServer:
         if inst.role == Role.PREFILL:
             peers = tls.kv_peers(spec, inst, self._tls_files()) if tls.uses_tls(spec) else {}
             self.sender = KVSender(self.keys.kv, tls=lambda host, port: peers.get((host, port)), seal_blocks=True,
-                                   stall_timeout_s=spec.kv_stall_s, keepalive_s=spec.kv_keepalive_s)
+                                   stall_timeout_s=spec.kv_stall_s, keepalive_s=spec.kv_keepalive_s,
+                                   max_yield_s=PolicyConfig.from_dict(spec.policy).copy_max_yield_s)
         runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
         http_tls = None

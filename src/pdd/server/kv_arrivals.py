@@ -124,8 +124,14 @@ class KVArrivals:
         """DRC under a slow line: when most of what this transfer lacks is
         already on its way in another one (the previous turn of the same
         conversation, say), answer HAVE only once that one has ended, so the
-        same blocks do not cross the WAN twice. Bounded: a slow or failed
-        sibling only means the blocks are sent after all."""
+        same blocks do not cross the WAN twice. As long as it takes: a queued
+        sibling is not a dead one (it ends, landed or failed, within its
+        request's deadline; a failed one only means the blocks are sent after
+        all), and meanwhile this side says it is alive (WAIT). A fixed bound
+        (half the 60 s KV deadline, until session 13) let every turn of a
+        conversation whose first copy queued longer than that resend what the
+        first copy was still bringing: under overload the line's backlog fed
+        on itself (results/overload-13). The simulator waits the same way."""
         if not self.kv_reuse:
             return
         lacking = {h for h in hashes if not self.engine.pool.holds(h)}
@@ -133,7 +139,7 @@ class KVArrivals:
         if not siblings or not wait_for_siblings(len(lacking), coming, self.policy):
             return
         waits = [asyncio.ensure_future(b.ended.wait()) for b in siblings]
-        done, pending = await asyncio.wait(waits, timeout=self.spec.kv_deadline_s / 2)
+        done, pending = await asyncio.wait(waits, timeout=self.spec.request_timeout_s)
         for w in pending:
             w.cancel()
 

@@ -78,6 +78,9 @@ def add_workload_and_wan_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, quick_help="the quick bench workload (pdd sim report: shorter sweeps)")
     p.add_argument("--wan-mbps", type=float, default=None, metavar="MBPS",
                    help="runtime files: override every deployment's WAN line rate")
+    p.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="runtime files: route N short requests before the run, as `pdd bench --warmup` "
+                        "sends them (the relay budgets count them)")
 
 
 def _options(args):
@@ -174,7 +177,7 @@ def _run_runtime(args) -> int:
     modes = [RuntimeMode(c.stem, str(c), link_overrides(args.wan_mbps)) for c in args.config]
     with _event_log(args) as log:
         summary = simulate_deployments(modes, wl, sla, args.out, _calibration(args), _options(args),
-                                       plots=not args.no_plots, event_log=log)
+                                       plots=not args.no_plots, event_log=log, warmup=args.warmup)
     report.print_table(summary)
     print(f"wall {summary['wall_s']:.2f}s, simulated {summary['simulated_s']:.1f}s"
           + (f", wrote {args.out / 'summary.json'}" if args.out else ""))

@@ -42,7 +42,7 @@ import zlib
 
 from pdd.policy import (
     ClusterView, LinkEstimator, NoRouteError, PrefixReuseCounter, RelayBudgets, RequestFacts,
-    Role, choose_pipeline, pick_instance, plan_warm,
+    Role, choose_pipeline, note_decision, pick_instance, plan_warm,
 )
 from pdd.policy.lifecycle_io import Prefilled
 from pdd.sim.cost_model import CostModel
@@ -97,11 +97,12 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
                       for c in sorted(set(self.core_of.values()))}
         self.colocated = [i for i in self.instances.values() if i.role is Role.COLOCATED]
         dcs = sorted({i.datacenter for i in self.instances.values()})
+        bound = self.cfg.copy_max_yield_s        # as P's sender orders its yielding copies
         self.links = {f"rdma-{dc}": Link(f"rdma-{dc}", mode.rdma.bandwidth_bytes_s, mode.rdma.rtt_s,
-                                         _bytes(mode.rdma.max_flow_gbps)) for dc in dcs}
+                                         _bytes(mode.rdma.max_flow_gbps), max_yield_s=bound) for dc in dcs}
         if mode.wan is not None:
             self.links["wan"] = Link("wan", mode.wan.bandwidth_bytes_s, mode.wan.rtt_s,
-                                     _bytes(mode.wan.max_flow_gbps))
+                                     _bytes(mode.wan.max_flow_gbps), max_yield_s=bound)
         self.estimators = {name: LinkEstimator.from_line(l.bandwidth_bytes_s * 8, l.rtt_s / 2)
                            for name, l in self.links.items()}
         md_dc = next((i.datacenter for i in self.instances.values() if i.role in DECODERS), None)
@@ -256,8 +257,17 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
             iid = pick_instance(views, matched, req.spec.prompt_tokens, now, self.cfg)
             req.pipeline = "colocated"
             return self._start_prefill(req, self.instances[iid], matched[iid], now)
-        insts = list(self.instances.values())
-        matched = {i.instance_id: self._matched(i, req) for i in insts if i.cache is not None}
+        matched = {i.instance_id: self._matched(i, req) for i in self.instances.values() if i.cache is not None}
+        try:
+            facts = self._facts(req)
+            d = choose_pipeline(facts, self._view(matched, now), self.cfg, self.relay_budgets)
+        except NoRouteError as e:
+            return self._finish(req, now, error=str(e))
+        self._plan_warm(req, d, matched)
+        return self._begin(req, d, matched.get(d.p_id, 0), now)
+
+    def _view(self, matched: dict[str, int], now: float) -> ClusterView:
+        """What the router sees when it routes: instances, caches, the lines."""
         wan = self.estimators[self.md_link].estimate(now) if self.md_link else None
         if wan is not None and not self.links[self.md_link].up:
             wan = dataclasses.replace(wan, up=False)
@@ -265,15 +275,22 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
             # What P still has to push over the line, as its servers report it.
             wan = dataclasses.replace(wan, **self.links[self.md_link].backlog(now))
         local = self.estimators.get(self.p_link) if self.p_link else None
-        view = ClusterView(tuple(i.view() for i in insts), matched, wan, now,
+        return ClusterView(tuple(i.view() for i in self.instances.values()), matched, wan, now,
                            local=local.estimate(now) if local is not None else None)
-        try:
-            facts = self._facts(req)
-            d = choose_pipeline(facts, view, self.cfg, self.relay_budgets)
-        except NoRouteError as e:
-            return self._finish(req, now, error=str(e))
-        self._plan_warm(req, d, matched)
-        return self._begin(req, d, matched.get(d.p_id, 0), now)
+
+    def route_warmup(self, requests: list[tuple[str, int, int]]) -> None:
+        """Requests a bench sent before its run (`pdd bench --warmup`): its
+        router routed them and counted them in the relay budgets, whose
+        start-up loan is repaid by the number of decisions. Routed here on the
+        idle cluster at time 0 and counted as they ended (what the decision
+        gave RLD); not served: their prompts share nothing with the run.
+        `requests`: (id, prompt tokens, output bound) each."""
+        if self.colocated:
+            return
+        for rid, prompt_tokens, max_tokens in requests:
+            facts = RequestFacts(rid, prompt_tokens, max_tokens, self.model.kv_bytes_per_token, self.block_size)
+            d = choose_pipeline(facts, self._view({}, 0.0), self.cfg, self.relay_budgets)
+            note_decision(self.relay_budgets, d, facts).ended(d.rld_tokens)
 
     def _plan_warm(self, req: SimRequest, d, matched: dict[str, int]) -> None:
         """As the router: count the shared prefix; a filtered request may warm MD with it."""

@@ -46,7 +46,7 @@ class LifecycleDriverMixin:
     # --- facts in ------------------------------------------------------------
     def _begin(self, req: SimRequest, d, matched: int, now: float) -> list[Event]:
         req.lc = RequestLifecycle(self._facts(req), d, self.cfg, self.relay_budgets, req.warm_blocks)
-        req.pipeline = req.lc.outcome.value
+        req.pipeline, req.pipeline_reason = req.lc.outcome.value, d.reason
         return self._carry(req, req.lc.start(now), now, matched=matched)
 
     def _feed(self, req: SimRequest, fact, times: list[float] = (), first: int = 0) -> list[Event]:

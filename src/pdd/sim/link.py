@@ -15,8 +15,10 @@ processes that share a core also lose time to switching between them.
 Background flows (`pdd.policy.copy_yields_line`) yield: while any
 foreground flow is active they get nothing, as the servers' senders pause
 them (`pdd.transport.priority`), and among themselves they go one at a
-time, fewest bytes left first; the time they wait is kept per flow
-(`yielded_s`), for the estimator, as the real sender reports it.
+time, fewest bytes left first unless one has waited `max_yield_s` since it
+started (`pdd.policy.line_order`: then the oldest such; the moment a flow
+reaches the bound is an event of its own); the time they wait is kept per
+flow (`yielded_s`), for the estimator, as the real sender reports it.
 
 A flow may have a cap of its own (`cap_bytes_s`): a transfer P streams
 while it computes cannot cross faster than P makes its KV, and what it
@@ -39,6 +41,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pdd.policy.line_order import ages_at, yield_key
+
 
 @dataclass
 class Flow:
@@ -55,7 +59,8 @@ class Flow:
 
 class Link:
     def __init__(self, name: str, bandwidth_bytes_s: float, rtt_s: float,
-                 max_flow_bytes_s: float | None = None, shared_efficiency: float = 1.0) -> None:
+                 max_flow_bytes_s: float | None = None, shared_efficiency: float = 1.0,
+                 max_yield_s: float = math.inf) -> None:
         if bandwidth_bytes_s <= 0 or rtt_s < 0:
             raise ValueError(f"{name}: bandwidth must be > 0 and rtt >= 0")
         self.name = name
@@ -65,6 +70,7 @@ class Link:
         if not 0 < shared_efficiency <= 1:
             raise ValueError(f"{name}: shared_efficiency must be in (0, 1]")
         self.shared_efficiency = shared_efficiency
+        self.max_yield_s = max_yield_s
         self.flows: dict[str, Flow] = {}
         self.version = 0
         self.up = True
@@ -78,7 +84,11 @@ class Link:
         fg = [f for f in self.flows.values() if not f.background]
         if fg or not self.flows:
             return fg
-        return [min(self.flows.values(), key=lambda f: (f.remaining, f.started_s))]
+        return [min(self.flows.values(), key=self._order)]
+
+    def _order(self, f: Flow) -> tuple:
+        """A background flow's place among the others (`line_order.yield_key`)."""
+        return yield_key(f.remaining, f.started_s, self._last_s, self.max_yield_s)
 
     def rate_per_flow(self) -> float:
         """An uncapped flow's share of the line now."""
@@ -109,7 +119,7 @@ class Link:
         bytes left first, each up to its cap (a copy waiting for P does not
         hold the line, foreground or background)."""
         fg = [f for f in self.flows.values() if not f.background]
-        bg = sorted((f for f in self.flows.values() if f.background), key=lambda f: (f.remaining, f.started_s))
+        bg = sorted((f for f in self.flows.values() if f.background), key=self._order)
         if not fg and not bg:
             return {}
         n = len(fg) + (1 if bg else 0)
@@ -160,6 +170,11 @@ class Link:
             if r > f.cap_bytes_s and self._behind(f):
                 # it levels with P's making at this rate: its cap applies again then
                 least = min(least, (self._made(f) - (f.num_bytes - f.remaining)) / (r - f.cap_bytes_s))
+        # A background flow reaching the yield bound changes the order.
+        for f in self.flows.values():
+            at = ages_at(f.started_s, self.max_yield_s)
+            if f.background and at > self._last_s:
+                least = min(least, at - self._last_s)
         if least == math.inf:
             return None
         return self._last_s + max(least, 1e-9), self.version
@@ -248,7 +263,8 @@ class Link:
         if not f.background:
             rate = self._rates().get(flow_id) or self.rate_per_flow()
             return f.remaining / rate
-        # Behind the foreground flows and the shorter background ones.
+        # Behind the foreground flows and the background ones before it.
+        mine = self._order(f)
         ahead = sum(g.remaining for g in self.flows.values()
-                    if not g.background or (g.remaining, g.started_s) < (f.remaining, f.started_s))
+                    if not g.background or (g is not f and self._order(g) < mine))
         return (ahead + f.remaining) / min(self.bandwidth_bytes_s, self.max_flow_bytes_s)

@@ -54,7 +54,7 @@ class SimRequest:
 
     __slots__ = ("spec", "stride", "num_generated", "times", "indices", "cached_tokens",
                  "rld_tokens", "last_rld_token_s", "first_md_token_s", "wan_bytes",
-                 "uncached_kv_bytes", "pipeline", "handoff_mode", "done_s", "failed",
+                 "uncached_kv_bytes", "pipeline", "pipeline_reason", "handoff_mode", "done_s", "failed",
                  "error", "p_id", "lc", "targets", "legs", "seqs", "md_context",
                  "p_blocks", "p_shared", "warm_blocks", "last_delay_s", "log", "prefill_done_s", "streamed",
                  "kv_made_by_s")
@@ -72,6 +72,7 @@ class SimRequest:
         self.wan_bytes = 0
         self.uncached_kv_bytes = 0
         self.pipeline: str | None = None
+        self.pipeline_reason: str | None = None     # the routing decision's, as the router's trace
         self.handoff_mode: str | None = None
         self.done_s: float | None = None
         self.failed = False
@@ -140,7 +141,8 @@ class SimRequest:
             e2e_s=None if self.done_s is None else self.done_s - spec.arrival_s,
             failed=self.failed, error=self.error, wan_bytes=self.wan_bytes,
             uncached_kv_bytes=self.uncached_kv_bytes, rld_tokens=self.rld_tokens,
-            handoff_gap_s=gap, pipeline=self.pipeline, handoff_mode=self.handoff_mode,
+            handoff_gap_s=gap, pipeline=self.pipeline, pipeline_reason=self.pipeline_reason,
+            handoff_mode=self.handoff_mode,
             token_stride=self.stride, token_indices=self.indices,
             events=[{"name": "lifecycle", "log": list(self.log.words)}] if self.lc is not None else [],
         )

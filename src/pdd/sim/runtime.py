@@ -17,7 +17,7 @@ from pathlib import Path
 from pdd.deploy.spec import load_spec
 from pdd.measure.files import write_json, write_records
 from pdd.measure.metrics import Sla, run_duration, summarize_mode
-from pdd.measure.workload import Workload, hit_rate_histogram
+from pdd.measure.workload import Workload, hit_rate_histogram, warmup_requests
 from pdd.sim.bench_stream import BenchStream
 from pdd.sim.cluster import Cluster
 from pdd.sim.deployment import RuntimeOptions, block_size, mode_from_spec, model_shape
@@ -38,24 +38,27 @@ class RuntimeMode:
 
 def run_runtime_mode(m: RuntimeMode, workload: Workload, sla: Sla, calibration=None,
                      opts: RuntimeOptions = RuntimeOptions(),
-                     event_log=None) -> tuple[dict, list, float]:
+                     event_log=None, warmup: int = 0) -> tuple[dict, list, float]:
     """(summary entry, records in workload order, simulated seconds) of one
-    deployment; `event_log` (`pdd.sim.events.EventLog`) receives its events."""
+    deployment; `event_log` (`pdd.sim.events.EventLog`) receives its events;
+    `warmup`: the requests its bench sent before the run, routed first."""
     spec = load_spec(m.config_path, m.overrides)
     entry, records, now = run_runtime_spec(spec, m.name, workload, sla, calibration, opts, m.run,
-                                           event_log)
+                                           event_log, warmup)
     entry.update({"config": m.config_path, "overrides": m.overrides})
     return entry, records, now
 
 
 def run_runtime_spec(spec, name: str, workload: Workload, sla: Sla, calibration=None,
                      opts: RuntimeOptions = RuntimeOptions(),
-                     run: str | None = None, event_log=None) -> tuple[dict, list, float]:
+                     run: str | None = None, event_log=None, warmup: int = 0) -> tuple[dict, list, float]:
     """`run_runtime_mode` for a DeploymentSpec already in memory (`pdd plan`)."""
     mode = mode_from_spec(spec, name, calibration, opts, run=run)
     scenario = Scenario(model_shape(spec), None, sla, (mode,), SimSettings(drain_s=HORIZON_S))
     cluster = Cluster(mode, scenario, BenchStream(workload, block_size(spec)),
                       event_log.for_mode(name) if event_log is not None else None)
+    cluster.route_warmup([(r.request_id, len(r.prompt_token_ids), r.max_tokens)
+                          for r in warmup_requests(workload, warmup)])
     t0 = time.perf_counter()
     reqs = cluster.run(HORIZON_S)
     wall = time.perf_counter() - t0
@@ -63,21 +66,22 @@ def run_runtime_spec(spec, name: str, workload: Workload, sla: Sla, calibration=
     records = [by_id[r.request_id] for r in workload.requests if r.request_id in by_id]
     entry = summarize_mode(records, sla, mode.cost_per_hour(), run_duration(records))
     entry["hit_rate_histogram"] = hit_rate_histogram([r.hit_rate for r in records if not r.failed])
-    entry.update({"deployment": spec.name, "startup_s": 0.0, "sim": _stats(cluster, records, wall)})
+    entry.update({"deployment": spec.name, "startup_s": 0.0, "sim": _stats(cluster, records, wall),
+                  "warmup_requests": max(warmup, 0)})
     return entry, records, cluster.loop.now
 
 
 def simulate_deployments(modes: list[RuntimeMode], workload: Workload, sla: Sla,
                          out: Path | None = None, calibration=None,
                          opts: RuntimeOptions = RuntimeOptions(), plots: bool = True,
-                         event_log=None) -> dict:
+                         event_log=None, warmup: int = 0) -> dict:
     t0 = time.perf_counter()
     summary: dict = {"workload": workload.describe(),
                      "sla": {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s}, "modes": {}}
     all_records = {}
     simulated = 0.0
     for m in modes:
-        entry, records, sim_s = run_runtime_mode(m, workload, sla, calibration, opts, event_log)
+        entry, records, sim_s = run_runtime_mode(m, workload, sla, calibration, opts, event_log, warmup)
         summary["modes"][m.name] = entry
         all_records[m.name] = records
         simulated = max(simulated, sim_s)

@@ -100,7 +100,11 @@ def validate(run: Path, calibration: CpuCalibration | None = None,
                  "options": vars(opts), "seeds": seeds if opts.step_jitter else 1, "modes": {}}
     for m in modes:
         real = summary["modes"][m.name]
-        runs = [run_runtime_mode(m, workload, sla, calibration, dataclasses.replace(opts, seed=opts.seed + k))
+        # The bench's warm-up requests went through the same router first
+        # (one by default; runs before the field was recorded used the default).
+        warmup = int(real.get("warmup_requests", 1))
+        runs = [run_runtime_mode(m, workload, sla, calibration, dataclasses.replace(opts, seed=opts.seed + k),
+                                 warmup=warmup)
                 for k in range(out["seeds"])]
         row: dict = {"real": {k: _get(real, *v) for k, v in METRICS.items()}, "sim": {}, "sim_range": {}}
         for metric, (key, sub) in METRICS.items():

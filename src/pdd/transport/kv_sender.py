@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import math
 import time
 from typing import AsyncIterator, Awaitable, Callable, Sequence, Union
 
@@ -86,10 +87,13 @@ class KVSender:
                  max_idle_per_peer: int = 8, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                  max_handshakes_per_peer: int = MAX_HANDSHAKES_PER_PEER,
                  tls: TlsResolver | None = None, seal_blocks: bool = False,
-                 keepalive_s: float = DEFAULT_KEEPALIVE_S, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
+                 keepalive_s: float = DEFAULT_KEEPALIVE_S, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+                 max_yield_s: float = math.inf):
         """tls: which peers speak TLS and the name each must prove. seal_blocks:
         each BLOCK carries the SHA-256 of its bytes (kv_codec.seal_block), taken
-        as get_block returns them, for the receiver to check at import."""
+        as get_block returns them, for the receiver to check at import.
+        max_yield_s: a background copy waiting this long since it started goes
+        before younger ones (`LineGate`, the policy's `copy_max_yield_s`)."""
         self.seal_blocks = seal_blocks
         self.max_frame_bytes = max_frame_bytes
         self.keepalive_s = keepalive_s
@@ -99,7 +103,7 @@ class KVSender:
                                    idle_keep_s=idle_keep_s, max_idle_per_peer=max_idle_per_peer,
                                    max_frame_bytes=max_frame_bytes, max_handshakes_per_peer=max_handshakes_per_peer)
         self._active: set[TransferHandle] = set()
-        self.gate = LineGate()
+        self.gate = LineGate(max_yield_s)
         # Transfers waiting for HAVE, per receiver, with their block hashes: a
         # receiver holds HAVE back while another transfer brings it the same
         # blocks, so a background copy that carries blocks a waiting transfer
@@ -205,7 +209,7 @@ class KVSender:
         held = line is not None and background and not self._awaited(dest, last_hash)
         if held:
             left = status.num_blocks - status.num_blocks_skipped - status.num_blocks_sent + 1
-            status.yielded_s += await self.gate.turn(line, id(status), left)
+            status.yielded_s += await self.gate.turn(line, id(status), left, status.started_s)
         try:
             status.bytes_sent += stream.write(frame)
             await stream.drain()

@@ -25,7 +25,10 @@ not in. A real line's sender would set TCP_NOTSENT_LOWAT.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+
+from pdd.policy.line_order import yield_key
 
 SLICE_BYTES = 64 * 1024          # a background transfer checks its turn this often
 
@@ -33,30 +36,37 @@ SLICE_BYTES = 64 * 1024          # a background transfer checks its turn this of
 class LineGate:
     """Who may write to a line now: foreground transfers always; background
     ones only while no foreground transfer is in progress, one slice at a
-    time, the one with the fewest blocks left first.
+    time, in `pdd.policy.line_order`'s order: the one with the fewest blocks
+    left first, unless one has waited `max_yield_s` since it started (then
+    the oldest of those).
 
     Shortest-remaining-first among the background copies: shared evenly,
     four 90 MB copies would all land after four copies' time; one after the
     other, the first lands after one copy's time, the second after two, and
     each lets MD take over its request that much sooner (less of the answer
-    left on RLD). A copy waiting for P to compute its next block does not ask,
-    so the others use the line meanwhile."""
+    left on RLD). The bound keeps a big copy from starving behind a stream
+    of smaller ones. A copy waiting for P to compute its next block does not
+    ask, so the others use the line meanwhile."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_yield_s: float = math.inf) -> None:
+        self.max_yield_s = max_yield_s
         self._foreground: dict[str, int] = {}
-        self._asking: dict[str, dict[int, tuple[int, int]]] = {}   # line -> key -> (blocks left, order)
-        self._holder: dict[str, int] = {}                          # line -> key writing a slice
-        self._woken: dict[int, asyncio.Future] = {}                # key -> what it awaits, while it waits
-        self._order = 0
+        self._asking: dict[str, dict[int, tuple[int, float]]] = {}   # line -> key -> (blocks left, started)
+        self._holder: dict[str, int] = {}                            # line -> key writing a slice
+        self._woken: dict[int, asyncio.Future] = {}                  # key -> what it awaits, while it waits
+
+    def _first(self, line: str) -> int:
+        """The asking copy whose turn it is."""
+        asking, now = self._asking[line], time.monotonic()
+        return min(asking, key=lambda k: yield_key(*asking[k], now, self.max_yield_s))
 
     def _next(self, line: str) -> None:
         """Wake the one copy whose turn it is on `line`, if the line is free
         (waking every waiter on each slice costs P's core O(copies) task
         switches per 64 KB: 40 us a slice with 40 copies queued)."""
-        asking = self._asking.get(line)
-        if self.busy(line) or line in self._holder or not asking:
+        if self.busy(line) or line in self._holder or not self._asking.get(line):
             return
-        fut = self._woken.get(min(asking, key=asking.__getitem__))
+        fut = self._woken.get(self._first(line))
         if fut is not None and not fut.done():
             fut.set_result(None)
 
@@ -79,16 +89,16 @@ class LineGate:
     def _may_write(self, line: str, key: int) -> bool:
         if self.busy(line) or line in self._holder:
             return False
-        asking = self._asking[line]
-        return min(asking, key=asking.__getitem__) == key
+        return self._first(line) == key
 
-    async def turn(self, line: str, key: int, blocks_left: int) -> float:
+    async def turn(self, line: str, key: int, blocks_left: int, started_s: float | None = None) -> float:
         """Wait for a background transfer's turn to write one slice; the seconds
-        waited. Call `release` after the slice."""
-        self._order += 1
+        waited. `started_s`: when the transfer started (monotonic; None: now).
+        Call `release` after the slice."""
         asking = self._asking.setdefault(line, {})
-        asking[key] = (blocks_left, self._order)
-        t0, waited = time.monotonic(), False
+        t0 = time.monotonic()
+        asking[key] = (blocks_left, t0 if started_s is None else started_s)
+        waited = False
         granted = False
         try:
             while not self._may_write(line, key):
