@@ -132,3 +132,22 @@ def test_a_big_yielding_flow_is_not_starved_past_the_bound():
     bounded = _run_background(Link("l", 100.0, 0.0, max_yield_s=2.5), adds)
     assert bounded["big"] == pytest.approx(7.5)
     assert [bounded[f"s{k}"] for k in range(5)] == pytest.approx([1, 2, 8, 9, 10])
+
+
+def test_a_new_transfer_waits_for_what_a_yielding_copy_has_on_the_line():
+    # The relay's queue holds a copy's bytes that the sender's pause cannot
+    # call back: a transfer a user waits on goes after them (buffer_bytes).
+    def ends(buffer_bytes):
+        link = Link("l", 100.0, 0.0, buffer_bytes=buffer_bytes)
+        link.add(0.0, "copy", 200, background=True)
+        done = {}
+        nxt = link.add(1.0, "user", 50)              # the copy has 100 bytes left
+        while nxt:
+            flows, nxt2 = link.complete(*nxt)
+            done.update({f.flow_id: nxt[0] for f in flows})
+            nxt = nxt2
+        return done
+    assert ends(0.0) == {"user": pytest.approx(1.5), "copy": pytest.approx(2.5)}
+    assert ends(30.0) == {"user": pytest.approx(1.8), "copy": pytest.approx(2.5)}
+    # Never more than the copy has left.
+    assert ends(1000.0) == {"copy": pytest.approx(2.0), "user": pytest.approx(2.5)}

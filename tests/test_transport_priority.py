@@ -121,38 +121,27 @@ def test_background_copies_take_turns_fewest_blocks_left_first():
 def test_a_copy_that_waited_past_the_bound_goes_before_shorter_younger_ones():
     # Shortest-first alone starves a big copy behind a stream of small ones;
     # past max_yield_s since it started, it goes first (pdd.policy.line_order).
-    async def main():
-        gate, order = LineGate(max_yield_s=0.05), []
+    async def order_of(gate, now):
+        order = []
 
-        async def copy(key, blocks, started_s=None):
+        async def copy(key, blocks, started_s):
             for left in range(blocks, 0, -1):
                 await gate.turn("wan", key, left, started_s)
                 order.append(key)
                 await asyncio.sleep(0.001)
                 gate.release("wan", key)
         gate.enter("wan")
-        now = time.monotonic()
-        big = asyncio.ensure_future(copy(1, 3, started_s=now - 1.0))      # waiting for a second already
-        small = asyncio.ensure_future(copy(2, 1, started_s=now))          # young: not aged for 50 ms
+        # A big copy waiting for a second already; a young short one (not aged for 50 ms).
+        tasks = [asyncio.ensure_future(copy(1, 3, now - 1.0)), asyncio.ensure_future(copy(2, 1, now))]
         await asyncio.sleep(0.005)
         gate.leave("wan")
-        await asyncio.wait_for(asyncio.gather(big, small), 2)
-        assert order == [1, 1, 1, 2]
-        # Without the bound, the short one goes first.
-        gate2, order2 = LineGate(), []
-
-        async def copy2(key, blocks, started_s):
-            for left in range(blocks, 0, -1):
-                await gate2.turn("wan", key, left, started_s)
-                order2.append(key)
-                await asyncio.sleep(0.001)
-                gate2.release("wan", key)
-        gate2.enter("wan")
-        tasks = [asyncio.ensure_future(copy2(1, 3, now - 1.0)), asyncio.ensure_future(copy2(2, 1, now))]
-        await asyncio.sleep(0.005)
-        gate2.leave("wan")
         await asyncio.wait_for(asyncio.gather(*tasks), 2)
-        assert order2 == [2, 1, 1, 1]
+        return order
+
+    async def main():
+        now = time.monotonic()
+        assert await order_of(LineGate(max_yield_s=0.05), now) == [1, 1, 1, 2]
+        assert await order_of(LineGate(), now) == [2, 1, 1, 1]       # no bound: the short one first
     asyncio.run(main())
 
 

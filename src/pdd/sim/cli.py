@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(runs recorded before it did)")
     r.add_argument("--no-jitter", action="store_true",
                    help="step times exactly as fitted, without the measured scatter")
+    r.add_argument("--no-line-buffer", action="store_true",
+                   help="a transfer a user waits on takes the WAN at once, not after the bytes a "
+                        "yielding copy has already handed to the relay's queue")
     r.add_argument("--jitter-seed", type=int, default=0, help="seed of the step-time jitter")
     r.add_argument("--seeds", type=int, default=5,
                    help="--validate: jitter seeds to simulate; the median is the prediction")
@@ -96,6 +99,7 @@ def _options(args):
     if args.loopback_mbps is not None:
         o = dataclasses.replace(o, loopback_gbps=args.loopback_mbps / 1e3)
     return dataclasses.replace(o, step_jitter=not args.no_jitter, seed=args.jitter_seed,
+                               line_buffer=not args.no_line_buffer,
                                stream_kv=not args.no_stream_kv,
                                stream_kv_layers=not (args.no_stream_kv or args.no_layer_stream))
 

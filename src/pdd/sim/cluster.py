@@ -102,7 +102,9 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
                                          _bytes(mode.rdma.max_flow_gbps), max_yield_s=bound) for dc in dcs}
         if mode.wan is not None:
             self.links["wan"] = Link("wan", mode.wan.bandwidth_bytes_s, mode.wan.rtt_s,
-                                     _bytes(mode.wan.max_flow_gbps), max_yield_s=bound)
+                                     _bytes(mode.wan.max_flow_gbps), max_yield_s=bound,
+                                     buffer_bytes=mode.wan.buffer_bytes,
+                                     yield_leak_bytes=mode.wan.yield_leak_bytes)
         self.estimators = {name: LinkEstimator.from_line(l.bandwidth_bytes_s * 8, l.rtt_s / 2)
                            for name, l in self.links.items()}
         md_dc = next((i.datacenter for i in self.instances.values() if i.role in DECODERS), None)

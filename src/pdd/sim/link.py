@@ -31,6 +31,18 @@ levels is an event of its own). The caller reports P's progress at each of
 its steps (`progress`: a prediction of P's speed is no promise) and lifts
 the cap when P is done.
 
+What a flow has already handed to the line cannot be called back: a
+background sender pauses between slices, but the buffers ahead of the line
+(the relay's queue of the emulated WAN: about a bandwidth-delay product, at
+least 1 MiB, full while the sender outruns the line) still hold its bytes,
+and a new TCP flow's first byte queues behind every other flow's. So when a
+foreground flow starts, each flow the line serves at its full share keeps
+it for `buffer_bytes` more (its `lead`; capped by what is left and by what
+P has made of it) before sharing resumes; a background one keeps it for
+`yield_leak_bytes` (its sender has paused, but the relay's queue and the
+sockets' buffers still hold that much of it) before it yields. 0: a new
+flow gets its share, or its priority, at once.
+
 A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow;
 the caller delays `add` by `rtt_s`, which keeps this class about bandwidth
 only.
@@ -55,12 +67,14 @@ class Flow:
     cap_bytes_s: float = math.inf
     made_bytes: float = 0.0          # what P had made of it at made_s (`progress`)
     made_s: float = 0.0
+    lead: float = 0.0                # bytes already on the line: they go before any priority
 
 
 class Link:
     def __init__(self, name: str, bandwidth_bytes_s: float, rtt_s: float,
                  max_flow_bytes_s: float | None = None, shared_efficiency: float = 1.0,
-                 max_yield_s: float = math.inf) -> None:
+                 max_yield_s: float = math.inf, buffer_bytes: float = 0.0,
+                 yield_leak_bytes: float | None = None) -> None:
         if bandwidth_bytes_s <= 0 or rtt_s < 0:
             raise ValueError(f"{name}: bandwidth must be > 0 and rtt >= 0")
         self.name = name
@@ -71,6 +85,14 @@ class Link:
             raise ValueError(f"{name}: shared_efficiency must be in (0, 1]")
         self.shared_efficiency = shared_efficiency
         self.max_yield_s = max_yield_s
+        if buffer_bytes < 0:
+            raise ValueError(f"{name}: buffer_bytes must be >= 0")
+        self.buffer_bytes = buffer_bytes
+        # A background flow's sender pauses, but what it already handed over
+        # (the relay's queue and the sockets' buffers) still crosses first.
+        self.yield_leak_bytes = buffer_bytes if yield_leak_bytes is None else yield_leak_bytes
+        if self.yield_leak_bytes < 0:
+            raise ValueError(f"{name}: yield_leak_bytes must be >= 0")
         self.flows: dict[str, Flow] = {}
         self.version = 0
         self.up = True
@@ -118,6 +140,12 @@ class Link:
         (water-filling); what they leave goes to the background flows, fewest
         bytes left first, each up to its cap (a copy waiting for P does not
         hold the line, foreground or background)."""
+        leading = [f for f in self.flows.values() if f.lead > 0]
+        if leading:
+            # Bytes already on the line go first, at the line's rate.
+            share = min(self.bandwidth_bytes_s * (self.shared_efficiency if len(leading) > 1 else 1.0)
+                        / len(leading), self.max_flow_bytes_s)
+            return {f.flow_id: share for f in leading}
         fg = [f for f in self.flows.values() if not f.background]
         bg = sorted((f for f in self.flows.values() if f.background), key=self._order)
         if not fg and not bg:
@@ -154,7 +182,10 @@ class Link:
             rates = self._rates()
             for f in self.flows.values():
                 if rates.get(f.flow_id):
-                    f.remaining = max(f.remaining - dt * rates[f.flow_id], 0.0)
+                    sent = dt * rates[f.flow_id]
+                    f.remaining = max(f.remaining - sent, 0.0)
+                    if f.lead > 0:
+                        f.lead = 0.0 if f.lead - sent <= 1e-9 * max(f.num_bytes, 1.0) else f.lead - sent
                 else:
                     f.yielded_s += dt
         self._last_s = max(now, self._last_s)
@@ -165,6 +196,9 @@ class Link:
             return None
         rates = self._rates()
         least = min((self.flows[i].remaining / r for i, r in rates.items() if r > 0), default=math.inf)
+        for i, r in rates.items():
+            if r > 0 and self.flows[i].lead > 0:          # its buffered bytes are through
+                least = min(least, self.flows[i].lead / r)
         for i, r in rates.items():
             f = self.flows[i]
             if r > f.cap_bytes_s and self._behind(f):
@@ -187,9 +221,27 @@ class Link:
         if cap_bytes_s is not None and not cap_bytes_s > 0:
             raise ValueError(f"{self.name}: a flow's cap must be > 0")
         self._advance(now)
+        if not background and (self.buffer_bytes > 0 or self.yield_leak_bytes > 0):
+            self._buffered_ahead()
         self.flows[flow_id] = Flow(flow_id, float(num_bytes), float(num_bytes), now, background,
                                    cap_bytes_s=cap_bytes_s or math.inf, made_s=now)
         return self._next()
+
+    def _buffered_ahead(self) -> None:
+        """A foreground flow starts: each flow the line is serving at its
+        full share (not held to P's pace: its sender then outruns the line and
+        the relay's queue is full) has up to `buffer_bytes` on the line
+        already, which go first: the relay's queues feed one line in order."""
+        for fid, rate in self._rates().items():
+            f = self.flows[fid]
+            if rate <= 0 or f.lead > 0:
+                continue
+            if f.cap_bytes_s != math.inf and rate >= f.cap_bytes_s * (1 - 1e-9) and not self._behind(f):
+                continue
+            sent = f.num_bytes - f.remaining
+            made = self._made(f) - sent if f.cap_bytes_s != math.inf else f.remaining
+            ahead = self.yield_leak_bytes if f.background else self.buffer_bytes
+            f.lead = max(0.0, min(ahead, f.remaining, made))
 
     def progress(self, now: float, flow_id: str, made_bytes: float,
                  cap_bytes_s: float | None = None) -> tuple[float, int] | None:

@@ -87,6 +87,13 @@ class LinkSpec:
     rtt_ms: float
     max_flow_gbps: float | None = None
     price_per_hour: float = 0.0
+    # Bytes a yielding copy has already handed to the line (the buffers
+    # between P's sender and the far end) when a transfer a user waits on
+    # starts: those go first, whatever the senders' priorities (`sim.link`).
+    buffer_bytes: float = 0.0
+    # ... and what a yielding copy still has on its way when it pauses (None:
+    # buffer_bytes): its sender's socket buffers too.
+    yield_leak_bytes: float | None = None
 
     @property
     def bandwidth_bytes_s(self) -> float:

@@ -26,6 +26,16 @@ QUEUE_BUFFER_S = 0.05  # router buffer beyond the bandwidth-delay product
 UNLIMITED_QUEUE_BYTES = 8 * 1024 * 1024
 
 
+def queue_limit_bytes(rate_bytes_s: float | None, latency_s: float, jitter_s: float) -> int:
+    """What one direction of a relayed connection holds before it stops
+    reading its source: about one bandwidth-delay product plus a small router
+    buffer (it reads again below half of it). The simulator's model of the
+    emulated line takes the bytes a copy has handed to the line from here."""
+    if rate_bytes_s is None:
+        return UNLIMITED_QUEUE_BYTES
+    return max(MIN_QUEUE_BYTES, int(rate_bytes_s * (latency_s + jitter_s + QUEUE_BUFFER_S)))
+
+
 def reset_transport(transport: asyncio.BaseTransport | None) -> None:
     """Close with RST (SO_LINGER 0), like a line that dies, not a polite FIN."""
     if transport is None or transport.is_closing():
@@ -114,11 +124,8 @@ class Pipe:
             transport.resume_reading()
 
     def queue_limit_bytes(self) -> int:
-        """About one bandwidth-delay product plus a small router buffer."""
         sh = self.shaper
-        if sh.rate_bytes_s is None:
-            return UNLIMITED_QUEUE_BYTES
-        return max(MIN_QUEUE_BYTES, int(sh.rate_bytes_s * (sh.latency_s + sh.jitter_s + QUEUE_BUFFER_S)))
+        return queue_limit_bytes(sh.rate_bytes_s, sh.latency_s, sh.jitter_s)
 
     def drop(self) -> int:
         if self.timer is not None:
