@@ -188,6 +188,25 @@ def test_calibration_from_bench_folders(tmp_path):
     assert set(again.coefficients(2)) == {"mfu", "mbu", "overhead_s", "per_seq_s"}
 
 
+def test_a_replay_measures_the_machine_speed_on_its_own_run(tmp_path):
+    """A profile fitted on one run, replaying another: its fits carry over,
+    each instance's speed is read from the replayed run's own steps."""
+    from pdd.sim.calibration import with_run_speeds
+
+    cal = fit([_fake_run(tmp_path / "a")], get_model("smollm2-135m"))
+    other = _fake_run(tmp_path / "b")
+    for mode in ("pd-local", "pdd"):               # the same run, on a machine 1.3x slower
+        f = other / mode / "steps.jsonl"
+        rows = [json.loads(line) for line in f.read_text().splitlines()]
+        f.write_text("".join(json.dumps(r | {"wall_s": r["wall_s"] * 1.3}) + "\n" for r in rows))
+    again = with_run_speeds(cal, [other], get_model("smollm2-135m"))
+    assert again.fits == cal.fits and again.role_fits == cal.role_fits
+    assert again.instance_load.keys() == cal.instance_load.keys()
+    for key, speed in cal.instance_load.items():
+        assert again.instance_load[key] / speed == pytest.approx(1.3, rel=0.02), key
+    assert again.load["pdd"] / cal.load["pdd"] == pytest.approx(1.3, rel=0.02)
+
+
 def test_calibration_takes_the_runs_engine_dtype(tmp_path):
     """A run served in bf16 is fitted with half the embedded model's weight and KV
     bytes (read from the deploy.toml beside its steps); mixed dtypes are refused."""

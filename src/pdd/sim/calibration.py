@@ -339,6 +339,40 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
                           1.0 if sharing is None else sharing)
 
 
+def with_run_speeds(cal: CpuCalibration, paths: list[Path], model: ModelShape,
+                    hardware: str = "cpu") -> CpuCalibration:
+    """`cal`'s fits (the roofline's coefficients per role, their row factors,
+    the shared core's efficiency) with the speed of each run and instance in
+    `paths` measured on its own steps against those fits.
+
+    Replaying a run with a profile fitted on another one, the fits carry over
+    (what a step costs for its shape) but the machine's state does not: this
+    shared machine ran the same engine 5-15% faster or slower from one hour to
+    the next, and the calibration run's speeds, applied to the replayed run's
+    instances of the same names, read as a TPOT error of that size. The speeds
+    come from the replayed run's engine steps, not from its TTFT or TPOT."""
+    every = read_records(paths)
+    rows = {(g, t): f.row_factors for g, byt in cal.role_fits.items() for t, f in byt.items()}
+    ratios: dict[str, list[tuple[float, float]]] = {}
+    alone: list[dict] = []
+    for threads, recs in load_records(every).items():
+        pooled_fit = cal.fit_for(threads)
+        if pooled_fit is None:
+            continue
+        base = CostModel(model, get_profile(hardware), chips=threads)
+        pooled = replace(base, **{f: getattr(pooled_fit, f) for f in FIELDS})
+        for r in recs:
+            if not r["alone"]:
+                continue
+            own = replace(base, **{f: getattr(cal.fit_for(threads, r["group"]), f) for f in FIELDS})
+            t = pooled.step_time(StepShape.from_record(r))
+            ratios.setdefault(r["run"], []).append((r["wall_s"] / t, _weight(r, t)))
+            r["fitted_s"] = own.step_time(StepShape.from_record(r))
+            alone.append(r)
+    load = dict(cal.load) | {run: _speed_factor(v) for run, v in sorted(ratios.items()) if len(v) >= 10}
+    return replace(cal, load=load, instance_load=dict(cal.instance_load) | _instance_speeds(alone, rows))
+
+
 def _weight(r: dict, fitted_s: float) -> float:
     """What a step's measured / fitted ratio weighs in a speed factor.
 

@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", type=Path, nargs="+", default=None, metavar="RUN",
                    help="replay the bench run RUN (results/<name>) and write validation.json; "
                         "several runs of one workload: also their summary")
+    p.add_argument("--run-speeds", action="store_true",
+                   help="--validate with --calibration: keep its fits, but measure each instance's speed "
+                        "on the replayed run's own engine steps (this machine's speed drifts by the hour)")
     p.add_argument("--model", default="smollm2-135m", help="model preset for --calibrate")
     p.add_argument("--hardware", default="cpu", help="hardware profile for --calibrate")
     p.add_argument("--no-plots", action="store_true")
@@ -129,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         done = []
         for run_dir in args.validate:
-            v = validate(run_dir, _calibration(args), _options(args), seeds=args.seeds)
+            v = validate(run_dir, _calibration(args), _options(args), seeds=args.seeds,
+                         run_speeds=args.run_speeds)
             print(f"== {run_dir}")
             print_table(v)
             print(f"wrote {run_dir / 'validation.json'}")

@@ -45,7 +45,7 @@ from pdd.measure.files import load_workload, read_records, write_json
 from pdd.measure.metrics import Sla, distribution
 from pdd.measure.records import RequestRecord
 from pdd.policy.lifecycle_log import notes_only, trace_log
-from pdd.sim.calibration import CpuCalibration, fit
+from pdd.sim.calibration import CpuCalibration, fit, with_run_speeds
 from pdd.sim.deployment import RuntimeOptions, model_shape
 from pdd.sim.runtime import RuntimeMode, run_runtime_mode
 
@@ -85,7 +85,10 @@ def modes_of(run: Path, summary: dict) -> list[RuntimeMode]:
 
 
 def validate(run: Path, calibration: CpuCalibration | None = None,
-             opts: RuntimeOptions = RuntimeOptions(), seeds: int = 5) -> dict:
+             opts: RuntimeOptions = RuntimeOptions(), seeds: int = 5, run_speeds: bool = False) -> dict:
+    """`run_speeds` (with a `calibration`): keep its fits, measure the
+    machine's speed per instance on the replayed run's own steps
+    (`calibration.with_run_speeds`)."""
     run = Path(run)
     summary = json.loads((run / "summary.json").read_text())
     sla = Sla(**summary["sla"])
@@ -95,9 +98,12 @@ def validate(run: Path, calibration: CpuCalibration | None = None,
         raise ValueError(f"{run}: no mode with a deploy.toml to replay")
     if calibration is None:
         calibration = fit([run], model_shape(load_spec(modes[0].config_path)))
+    elif run_speeds:
+        calibration = with_run_speeds(calibration, [run], model_shape(load_spec(modes[0].config_path)))
     out: dict = {"run": str(run), "sla": summary["sla"], "targets": TARGETS,
                  "calibration": calibration.to_dict(),
-                 "options": vars(opts), "seeds": seeds if opts.step_jitter else 1, "modes": {}}
+                 "options": vars(opts), "run_speeds": run_speeds,
+                 "seeds": seeds if opts.step_jitter else 1, "modes": {}}
     for m in modes:
         real = summary["modes"][m.name]
         # The bench's warm-up requests went through the same router first
