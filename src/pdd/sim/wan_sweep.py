@@ -20,7 +20,9 @@ from pathlib import Path
 METRICS = ("p50", "p90")
 
 
-def simulate(configs: list[Path], rates: list[float], workload, sla, calibration, opts) -> dict:
+def simulate(configs: list[Path], rates: list[float], workload, sla, calibration, opts, warmup: int = 0) -> dict:
+    """TTFT percentiles per deployment file and line rate; `warmup`: the
+    requests routed before each run, as `pdd bench --warmup` sends them."""
     from pdd.deploy.spec import link_overrides
     from pdd.sim.runtime import RuntimeMode, run_runtime_mode
 
@@ -28,7 +30,7 @@ def simulate(configs: list[Path], rates: list[float], workload, sla, calibration
     for c in configs:
         for rate in rates:
             entry, _, _ = run_runtime_mode(RuntimeMode(c.stem, str(c), link_overrides(rate)), workload, sla,
-                                           calibration, opts)
+                                           calibration, opts, warmup=warmup)
             out.setdefault(c.stem, []).append({"wan_mbps": rate, **{m: entry["ttft_s"][m] for m in METRICS},
                                                 "rld_token_share": entry["rld_token_share"],
                                                 "num_failed": entry["num_failed"]})
@@ -104,7 +106,7 @@ def run_sweep(args) -> int:
         return 2
     wl = build_workload(args)
     sla = sla_from_args(args)
-    sim = simulate(args.config, rates, wl, sla, _calibration(args), _options(args))
+    sim = simulate(args.config, rates, wl, sla, _calibration(args), _options(args), warmup=args.warmup)
     real = real_points(args.real or [])
     out = args.out or Path("results/wan-sweep")
     out.mkdir(parents=True, exist_ok=True)
