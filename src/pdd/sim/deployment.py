@@ -68,11 +68,11 @@ class RuntimeOptions:
     line_buffer: bool = True            # bytes already handed to the line go before a new transfer (sim.link)
     # What a yielding copy's sender still has in its socket buffers when it
     # pauses (loopback autotunes them to megabytes): `python -m pdd.wan.probe`
-    # (2026-12-05, this machine, 60 Mbit/s, 20 +- 5 ms) measured 2.09-2.95 MB
+    # (2026-12-05, this machine, 60 Mbit/s, 20 +- 5 ms) measured 1.63-2.46 MB
     # of a copy crossing ahead of a transfer that started behind it (median
-    # 2.52 MB over 12 trials), of which the relay's queue holds its 1.05 MB
-    # limit: 1.47 MB.
-    sender_socket_bytes: float = 1.47e6
+    # 2.05 MB over 12 trials), of which the relay's queue holds its 1.05 MB
+    # limit: 1.00 MB.
+    sender_socket_bytes: float = 1.0e6
     seed: int = 0                       # of that jitter
 
 

@@ -9,11 +9,13 @@ This probe measures it on the emulated line, with the real sender, receiver
 and relay: a big background copy streams, a small foreground transfer
 starts behind it, and
 
-    lead = (foreground's time - one round trip) x line rate - its own bytes
+    lead = (its time behind the copy - its time on the idle line) x line rate
 
-is what crossed ahead of it. The simulator's model of the line takes the
-result as `RuntimeOptions.sender_socket_bytes` (the lead less the relay's
-queue limit).
+is what crossed ahead of it (the idle-line time holds what every transfer
+pays: a connection, its authentication, BEGIN -> HAVE, the END's answer).
+The simulator's model of the line takes the result as
+`RuntimeOptions.sender_socket_bytes` (the lead less the relay's queue
+limit).
 
     python -m pdd.wan.probe --wan-mbps 60 --latency-ms 20 --jitter-ms 5
 """
@@ -41,7 +43,8 @@ _BLOCK = 368_640          # one 16-token block of SmolLM2's bf16 KV
 @dataclass
 class Trial:
     foreground_bytes: int
-    elapsed_s: float
+    elapsed_s: float          # behind the copy
+    alone_s: float            # the same transfer on the idle line
     lead_bytes: float
 
 
@@ -63,32 +66,42 @@ def _blocks(n: int, tag: int) -> tuple[list[bytes], list[bytes]]:
     return data, [hashlib.blake2b(b, digest_size=16).digest() for b in data]
 
 
-async def trial(rate_bytes_s: float, latency_s: float, jitter_s: float, fg_blocks: int,
-                bg_blocks: int = 40, head_start_s: float = 1.0) -> Trial:
-    """One race on a fresh line: the copy streams for `head_start_s`, then
-    the foreground transfer of `fg_blocks` starts."""
+async def _race(rate_bytes_s: float, latency_s: float, jitter_s: float, fg_blocks: int,
+                bg_blocks: int, head_start_s: float) -> float:
+    """Seconds the foreground transfer takes; behind a copy streaming for
+    `head_start_s` (bg_blocks > 0) or on the idle line (0)."""
     receiver = await KVReceiver.start("127.0.0.1", 0, _SECRET, _Drain())
     link = WanLink(rate_bytes_s=rate_bytes_s, latency_s=latency_s, jitter_s=jitter_s)
     sender = KVSender(_SECRET)
     try:
         port = await link.add_mapping(0, "127.0.0.1", receiver.port)
-        big, big_h = _blocks(bg_blocks, 1)
-        small, small_h = _blocks(fg_blocks, 2)
-        copy = sender.send("127.0.0.1", port, "copy", {}, big_h, big, 120, line="wan", background=True)
+        copy = None
+        if bg_blocks:
+            big, big_h = _blocks(bg_blocks, 1)
+            copy = sender.send("127.0.0.1", port, "copy", {}, big_h, big, 120, line="wan", background=True)
         await asyncio.sleep(head_start_s)
+        small, small_h = _blocks(fg_blocks, 2)
         t0 = time.monotonic()
         status = await sender.send("127.0.0.1", port, "user", {}, small_h, small, 120, line="wan").wait()
         elapsed = time.monotonic() - t0
         if not status.ok:
             raise RuntimeError(f"probe transfer failed: {status.error}")
-        copy.cancel("probe done")
-        rtt = 2 * latency_s
-        size = fg_blocks * _BLOCK
-        return Trial(size, elapsed, max(0.0, (elapsed - rtt) * rate_bytes_s - size))
+        if copy is not None:
+            copy.cancel("probe done")
+        return elapsed
     finally:
         await sender.close()
         await link.close()
         await receiver.close()
+
+
+async def trial(rate_bytes_s: float, latency_s: float, jitter_s: float, fg_blocks: int,
+                bg_blocks: int = 40, head_start_s: float = 1.0) -> Trial:
+    """One transfer of `fg_blocks` on the idle line, then one behind a copy
+    that has streamed for `head_start_s`, each on a fresh line."""
+    alone = await _race(rate_bytes_s, latency_s, jitter_s, fg_blocks, 0, 0.2)
+    behind = await _race(rate_bytes_s, latency_s, jitter_s, fg_blocks, bg_blocks, head_start_s)
+    return Trial(fg_blocks * _BLOCK, behind, alone, max(0.0, (behind - alone) * rate_bytes_s))
 
 
 async def probe(rate_bytes_s: float, latency_s: float, jitter_s: float, sizes=(1, 2, 3, 4),
@@ -112,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     res = asyncio.run(probe(a.wan_mbps * MBIT_BYTES_S, a.latency_ms / 1e3, a.jitter_ms / 1e3,
                             repeats=a.repeats))
     for t in res["trials"]:
-        print(f"foreground {t['foreground_bytes'] / 1e6:.2f} MB: {t['elapsed_s']:.3f} s, "
-              f"{t['lead_bytes'] / 1e6:.2f} MB of the copy ahead")
+        print(f"foreground {t['foreground_bytes'] / 1e6:.2f} MB: {t['elapsed_s']:.3f} s behind the copy, "
+              f"{t['alone_s']:.3f} s alone: {t['lead_bytes'] / 1e6:.2f} MB of the copy ahead")
     print(f"lead (median) {res['lead_bytes_median'] / 1e6:.2f} MB; relay queue limit "
           f"{res['relay_queue_limit_bytes'] / 1e6:.2f} MB; sender's sockets {res['sender_socket_bytes'] / 1e6:.2f} MB")
     if a.out:
