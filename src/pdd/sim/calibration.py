@@ -293,15 +293,16 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
     fits: dict[int, ThreadFit] = {}
     role_fits: dict[str, dict[int, ThreadFit]] = {}
     # Per run: (measured / fitted, weight), weighed as `_weight` says.
-    ratios: dict[str, list[tuple[float, float]]] = {}
     every = read_records(paths)
+    by_threads = load_records(every)
     models: dict[tuple[int, str], CostModel] = {}     # (threads, group) -> its fitted model
-    alone: list[dict] = []
-    for threads, recs in load_records(every).items():
+    pooled_models: dict[int, CostModel] = {}
+    for threads, recs in by_threads.items():
         if len(recs) < 3:
             continue
         base = CostModel(model, get_profile(hardware), chips=threads)
         fits[threads], pooled = _fit_group(recs, base, drop_outliers)
+        pooled_models[threads] = pooled
         groups: dict[str, list[dict]] = {}
         for r in recs:
             if r["alone"]:
@@ -312,14 +313,7 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
                 role_fits.setdefault(group, {})[threads], own[group] = _fit_group(grecs, base, drop_outliers)
         for group in ("prefill", "decode", "colocated"):
             models[threads, group] = own.get(group, pooled)
-        for r in recs:
-            if r["alone"]:
-                # A run's load against one reference for all runs: the pooled fit.
-                t = pooled.step_time(StepShape.from_record(r))
-                ratios.setdefault(r["run"], []).append((r["wall_s"] / t, _weight(r, t)))
-                r["fitted_s"] = models[threads, r["group"]].step_time(StepShape.from_record(r))
-                alone.append(r)
-    load = {run: _speed_factor(v) for run, v in sorted(ratios.items()) if len(v) >= 10}
+    load, alone = _alone_speeds(by_threads, pooled_models, models)
     instance_load = _instance_speeds(alone, {})
     factors = _row_factors(alone, instance_load)
     for (group, threads), rf in factors.items():
@@ -339,6 +333,26 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
                           1.0 if sharing is None else sharing)
 
 
+def _alone_speeds(by_threads: dict[int, list[dict]], pooled: dict[int, CostModel],
+                  models: dict[tuple[int, str], CostModel]) -> tuple[dict[str, float], list[dict]]:
+    """Each run's load (its steps' measured / fitted time against one
+    reference for all runs: the pooled fit), and the steps that had their
+    core alone, each with `fitted_s` by its own role's model."""
+    ratios: dict[str, list[tuple[float, float]]] = {}
+    alone: list[dict] = []
+    for threads, recs in by_threads.items():
+        if threads not in pooled:
+            continue
+        for r in recs:
+            if r["alone"]:
+                shape = StepShape.from_record(r)
+                t = pooled[threads].step_time(shape)
+                ratios.setdefault(r["run"], []).append((r["wall_s"] / t, _weight(r, t)))
+                r["fitted_s"] = models[threads, r["group"]].step_time(shape)
+                alone.append(r)
+    return {run: _speed_factor(v) for run, v in sorted(ratios.items()) if len(v) >= 10}, alone
+
+
 def with_run_speeds(cal: CpuCalibration, paths: list[Path], model: ModelShape,
                     hardware: str = "cpu") -> CpuCalibration:
     """`cal`'s fits (the roofline's coefficients per role, their row factors,
@@ -351,26 +365,20 @@ def with_run_speeds(cal: CpuCalibration, paths: list[Path], model: ModelShape,
     the next, and the calibration run's speeds, applied to the replayed run's
     instances of the same names, read as a TPOT error of that size. The speeds
     come from the replayed run's engine steps, not from its TTFT or TPOT."""
-    every = read_records(paths)
-    rows = {(g, t): f.row_factors for g, byt in cal.role_fits.items() for t, f in byt.items()}
-    ratios: dict[str, list[tuple[float, float]]] = {}
-    alone: list[dict] = []
-    for threads, recs in load_records(every).items():
-        pooled_fit = cal.fit_for(threads)
-        if pooled_fit is None:
+    by_threads = load_records(read_records(paths))
+    pooled: dict[int, CostModel] = {}
+    models: dict[tuple[int, str], CostModel] = {}
+    for threads in by_threads:
+        if cal.fit_for(threads) is None:
             continue
         base = CostModel(model, get_profile(hardware), chips=threads)
-        pooled = replace(base, **{f: getattr(pooled_fit, f) for f in FIELDS})
-        for r in recs:
-            if not r["alone"]:
-                continue
-            own = replace(base, **{f: getattr(cal.fit_for(threads, r["group"]), f) for f in FIELDS})
-            t = pooled.step_time(StepShape.from_record(r))
-            ratios.setdefault(r["run"], []).append((r["wall_s"] / t, _weight(r, t)))
-            r["fitted_s"] = own.step_time(StepShape.from_record(r))
-            alone.append(r)
-    load = dict(cal.load) | {run: _speed_factor(v) for run, v in sorted(ratios.items()) if len(v) >= 10}
-    return replace(cal, load=load, instance_load=dict(cal.instance_load) | _instance_speeds(alone, rows))
+        pooled[threads] = apply(base, cal.fit_for(threads))
+        for group in ("prefill", "decode", "colocated"):
+            models[threads, group] = apply(base, cal.fit_for(threads, group))
+    load, alone = _alone_speeds(by_threads, pooled, models)
+    rows = {(g, t): f.row_factors for g, byt in cal.role_fits.items() for t, f in byt.items()}
+    return replace(cal, load=dict(cal.load) | load,
+                   instance_load=dict(cal.instance_load) | _instance_speeds(alone, rows))
 
 
 def _weight(r: dict, fitted_s: float) -> float:

@@ -205,10 +205,11 @@ class Link:
                 # it levels with P's making at this rate: its cap applies again then
                 least = min(least, (self._made(f) - (f.num_bytes - f.remaining)) / (r - f.cap_bytes_s))
         # A background flow reaching the yield bound changes the order.
-        for f in self.flows.values():
-            at = ages_at(f.started_s, self.max_yield_s)
-            if f.background and at > self._last_s:
-                least = min(least, at - self._last_s)
+        if math.isfinite(self.max_yield_s):
+            for f in self.flows.values():
+                at = ages_at(f.started_s, self.max_yield_s)
+                if f.background and at > self._last_s:
+                    least = min(least, at - self._last_s)
         if least == math.inf:
             return None
         return self._last_s + max(least, 1e-9), self.version

@@ -44,9 +44,10 @@ class LineGate:
     four 90 MB copies would all land after four copies' time; one after the
     other, the first lands after one copy's time, the second after two, and
     each lets MD take over its request that much sooner (less of the answer
-    left on RLD). The bound keeps a big copy from starving behind a stream
-    of smaller ones. A copy waiting for P to compute its next block does not
-    ask, so the others use the line meanwhile."""
+    left on RLD). A finite `max_yield_s` keeps a big copy from starving
+    behind a stream of smaller ones (off by default: `copy_max_yield_s`). A
+    copy waiting for P to compute its next block does not ask, so the others
+    use the line meanwhile."""
 
     def __init__(self, max_yield_s: float = math.inf) -> None:
         self.max_yield_s = max_yield_s
