@@ -129,3 +129,39 @@ def test_stream_token_accounting_edge_cases():
     assert st.output_token_times() == [1.0, 3.0]
     st.on_payload({"error": {"message": "bad"}}, 4.0)
     assert st.error == "bad"
+
+
+def test_a_closed_loop_turn_quotes_the_answer_the_server_produced(serve):
+    """The next turn repeats the previous prompt, then the ids the model
+    produced (not the workload's stand-ins), then its own new tokens; a turn
+    after it keeps that history; an open-loop request is sent as written."""
+    s = serve(token_delay_s=0.01)
+    p0 = list(range(100, 140))
+    stand_in = [900, 901, 902, 903]
+    p1 = p0 + stand_in + [200, 201]
+    p2 = p1 + [950, 951] + [300]
+    turns = [WorkloadRequest("t0", 0.0, p0, 4, session_id="s"),
+             WorkloadRequest("t1", 0.0, p1, 2, session_id="s", turn=1, depends_on="t0", answer_at=40),
+             WorkloadRequest("t2", 0.0, p2, 3, session_id="s", turn=2, depends_on="t1", answer_at=46),
+             WorkloadRequest("x", 0.0, [100, 101, 102], 2)]
+    records, _ = run_workload_sync(ClientConfig(s.url), turns)
+    assert not any(r.failed for r in records)
+    sent = {len(b["prompt"]): b for b in s.bodies}
+    answer0 = [5000 + 40 + i for i in range(4)]          # what the fake produced for t0
+    answer1 = [5000 + 46 + i for i in range(2)]
+    assert sent[46]["prompt"] == p0 + answer0 + [200, 201]
+    assert sent[49]["prompt"] == p0 + answer0 + [200, 201] + answer1 + [300]
+    assert sent[40]["return_token_ids"] is True and sent[46]["return_token_ids"] is True
+    assert "return_token_ids" not in sent[49] and sent[3]["prompt"] == [100, 101, 102]
+    assert [r.quoted_answer_tokens for r in records] == [0, 4, 6, 0]
+
+
+def test_a_failed_turn_leaves_the_stand_in_answer(serve):
+    s = serve(cut_after_tokens=1)
+    p0 = list(range(100, 140))
+    p1 = p0 + [900, 901] + [200]
+    first = WorkloadRequest("t0", 0.0, p0, 2, session_id="s")
+    second = WorkloadRequest("t1", 0.0, p1, 2, session_id="s", turn=1, depends_on="t0", answer_at=40)
+    (a, b), _ = run_workload_sync(ClientConfig(s.url), [first, second])
+    assert a.failed
+    assert s.bodies[1]["prompt"] == p1 and b.quoted_answer_tokens == 0

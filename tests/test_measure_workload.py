@@ -122,3 +122,29 @@ def test_config_validation():
         agentic.AgenticConfig(turns=(0, 2))
     with pytest.raises(ValueError):
         validate_token_ids([_req("x", [5])], 1000)
+
+
+def test_prompt_to_send_quotes_the_produced_answer_or_keeps_the_stand_in():
+    from pdd.measure.workload import prompt_to_send
+    parent = WorkloadRequest("t0", 0.0, [1, 2, 3], 2)
+    child = WorkloadRequest("t1", 0.0, [1, 2, 3, 8, 9, 4], 1, depends_on="t0", answer_at=3)
+    assert prompt_to_send(child, parent, [1, 2, 7], [5, 6]) == [1, 2, 7, 5, 6, 4]
+    assert prompt_to_send(child, parent, [1, 2, 3], [5]) == [1, 2, 3, 8, 9, 4]    # stopped short
+    assert prompt_to_send(child, parent, [1, 2, 3], None) == [1, 2, 3, 8, 9, 4]   # failed
+    with pytest.raises(ValueError):
+        prompt_to_send(WorkloadRequest("t1", 0.0, [1, 2, 3, 8, 9], 1, depends_on="t0", answer_at=2),
+                       parent, [1, 2, 3], [5, 6])
+
+
+def test_agentic_closed_loop_turns_mark_the_previous_answer():
+    wl = agentic.generate(agentic.WAN_BOUND)
+    by_id = {r.request_id: r for r in wl.requests}
+    turns = [r for r in wl.requests if r.depends_on]
+    assert turns and all(r.answer_at is not None for r in turns)
+    for r in turns:
+        parent = by_id[r.depends_on]
+        assert r.answer_at == parent.prompt_tokens
+        assert r.prompt_token_ids[:r.answer_at] == parent.prompt_token_ids
+        assert r.prompt_tokens >= r.answer_at + parent.max_tokens
+    open_loop = agentic.generate(replace(agentic.WAN_BOUND, closed_loop=False))
+    assert all(r.answer_at is None for r in open_loop.requests)

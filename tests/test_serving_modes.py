@@ -175,3 +175,43 @@ def test_router_metrics_and_trace(served):
     with urllib.request.urlopen(dep.router_url.removesuffix("/v1") + "/metrics", timeout=10) as f:
         text = f.read().decode()
     assert "pdd_router_ttft_seconds_bucket" in text and "pdd_router_requests_total" in text
+
+
+def _trace(dep, rid: str) -> dict:
+    with urllib.request.urlopen(f"{dep.router_url}/requests/{rid}/trace", timeout=10) as f:
+        return json.loads(f.read())
+
+
+def test_token_ids_come_back_and_a_quoting_turn_finds_the_answer_cached(served, tiny_model, tok):
+    """`return_token_ids` (vLLM's extension) lists each token's id, streamed
+    and not; an agent's next turn that quotes the answer finds its KV on the
+    decoder that produced it: P computed only the prompt, the decoder's
+    prefix cache kept the answer's full blocks (the last token is never
+    computed), so fewer blocks cross to it than P computed."""
+    dep, client, model = served
+    p = ids(50, 200)
+    want = generate_greedy(tiny_model[0], p, 40)
+    kw = dict(model=model, prompt=p, max_tokens=40, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(**kw)
+    assert r.choices[0].model_extra["token_ids"] == want
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [i for c in chunks if c.choices for i in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert streamed == want
+    assert all(len(c.choices[0].model_extra.get("token_ids") or []) <= 1 for c in chunks if c.choices)
+    first = _trace(dep, r.id)
+    nxt = p + want + ids(51, 10)
+    r2 = complete(client, model, nxt, 8)
+    assert r2.choices[0].text == expected(tiny_model, tok, nxt, 8)
+    held = (200 + 40 - 1) // 16                 # 14 blocks: prompt and answer
+    assert held > 200 // 16                     # more than P's 12
+    tr = _trace(dep, r2.id)
+    if dep.spec.mode == "colocated":
+        assert r2.usage.prompt_tokens_details.cached_tokens == held * 16
+        return
+    assert r2.usage.prompt_tokens_details.cached_tokens == 200 // 16 * 16      # P's cache: the prompt
+    decoder = {"pd-local": "d0", "pd-wan": "d0", "pdd": "md0"}[dep.spec.mode]
+    if dep.spec.mode == "pdd" and "md" not in set(first.get("token_sources") or ["md"]):
+        pytest.skip(f"the first turn ended on RLD ({first['pipeline']}): MD never saw its answer")
+    sent = [e for e in tr["events"] if e["name"] == "kv_transfer" and e["target"] == decoder and e["ok"]]
+    assert sent and sent[0]["blocks_skipped"] == held, sent

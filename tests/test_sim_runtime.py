@@ -77,7 +77,23 @@ def test_bench_stream_chains_blocks_and_closes_the_loop():
     (t1,) = s.next_after(t0, 10.0, failed=False)
     assert t1.arrival_s == pytest.approx(10.5)          # think time after the user saw the end
     assert t1.block_ids[: len(t0.block_ids)] == t0.block_ids    # shared prefix, shared ids
-    assert len(t0.full_block_ids) == (t0.prompt_tokens + t0.output_tokens) // 16
+    # the blocks its output completes (its last token is never computed)
+    assert len(t0.full_block_ids) == (t0.prompt_tokens + t0.output_tokens - 1) // 16
+
+
+def test_a_quoted_answer_is_cached_under_the_next_prompts_block_ids():
+    """A closed-loop turn whose next turn quotes its answer (`answer_at`):
+    the decoder's output blocks carry the ids of the next prompt's blocks, so
+    a decode-side cache that kept them hits there, as the engine's does."""
+    p0 = ids(0, 630)
+    p1 = p0 + ids(7, 40) + ids(8, 9)                    # the answer (40), then a tool's output
+    wl = Workload("q", [WorkloadRequest("t0", 0.0, p0, 40, "s", 0),
+                        WorkloadRequest("t1", 0.0, p1, 8, "s", 1, "t0", 0.5, answer_at=630)], {}, 16)
+    (t0,) = BenchStream(wl, 16).initial()
+    (t1,) = BenchStream(wl, 16).next_after(t0, 1.0, failed=False)
+    full = (630 + 40 - 1) // 16
+    assert len(t0.full_block_ids) == full > len(t0.block_ids)
+    assert t0.full_block_ids == t1.block_ids[:full]
 
 
 def test_simulated_run_has_the_bench_summary_schema(tmp_path):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from pdd.measure.metrics import run_duration
 from pdd.measure.records import RequestRecord
-from pdd.measure.workload import WorkloadRequest
+from pdd.measure.workload import WorkloadRequest, prompt_to_send
 
 # Keys of GET /requests/{id}/trace and their defaults.
 TRACE_DEFAULTS: dict = {
@@ -67,6 +67,7 @@ class _Stream:
         self.usage: dict | None = None
         self.finished = False       # saw [DONE] or a finish_reason
         self.error: str | None = None
+        self.token_ids: list[int] = []   # when the server lists them (return_token_ids)
 
     def on_payload(self, data: dict, now: float) -> None:
         if "error" in data:
@@ -80,6 +81,7 @@ class _Stream:
             ids = choice.get("token_ids")
             if isinstance(ids, list):
                 n = len(ids)
+                self.token_ids += [int(i) for i in ids]
             else:
                 n = 0 if (not choice.get("text") and choice.get("finish_reason")) else 1
             self.token_times.extend([now] * n)
@@ -97,10 +99,11 @@ class _Stream:
         return times
 
 
-def _body(req: WorkloadRequest, model: str, ignore_eos: bool) -> dict:
+def _body(req: WorkloadRequest, model: str, ignore_eos: bool, prompt: list[int] | None = None,
+          want_ids: bool = False) -> dict:
     body = {
         "model": model,
-        "prompt": req.prompt_token_ids,
+        "prompt": req.prompt_token_ids if prompt is None else prompt,
         "max_tokens": req.max_tokens,
         "temperature": 0,
         "stream": True,
@@ -108,6 +111,8 @@ def _body(req: WorkloadRequest, model: str, ignore_eos: bool) -> dict:
     }
     if ignore_eos:
         body["ignore_eos"] = True
+    if want_ids:
+        body["return_token_ids"] = True   # vLLM's name; the next turn quotes the answer
     return body
 
 
@@ -129,13 +134,15 @@ async def _read_sse(resp, st: _Stream, clock: Callable[[], float]) -> None:
 
 
 async def stream_completion(http, cfg: ClientConfig, model: str, req: WorkloadRequest,
-                            clock: Callable[[], float], st: _Stream | None = None) -> _Stream:
-    """POST one streaming completion; never raises (but cancellation), errors land in `.error`."""
+                            clock: Callable[[], float], st: _Stream | None = None,
+                            prompt: list[int] | None = None, want_ids: bool = False) -> _Stream:
+    """POST one streaming completion (`prompt`: what to send instead of the
+    workload's ids); never raises (but cancellation), errors land in `.error`."""
     st = st or _Stream()
     url = cfg.base_url.rstrip("/") + "/completions"
     try:
         async with asyncio.timeout(cfg.request_timeout_s):
-            async with http.post(url, json=_body(req, model, cfg.ignore_eos)) as resp:
+            async with http.post(url, json=_body(req, model, cfg.ignore_eos, prompt, want_ids)) as resp:
                 if resp.status != 200:
                     text = (await resp.text())[:500]
                     st.error = f"HTTP {resp.status}: {text}"
@@ -183,7 +190,7 @@ def trace_events(trace: dict) -> list[dict]:
 
 
 def build_record(req: WorkloadRequest, arrival_s: float, end_s: float, st: _Stream,
-                 facts: dict) -> RequestRecord:
+                 facts: dict, quoted: int = 0) -> RequestRecord:
     times = st.output_token_times()
     usage = st.usage or {}
     cached = facts.get("cached_tokens")
@@ -215,6 +222,7 @@ def build_record(req: WorkloadRequest, arrival_s: float, end_s: float, st: _Stre
         handoff_mode=facts["handoff_mode"],
         pipeline_reason=facts.get("pipeline_reason"),
         events=list(facts.get("events") or []),
+        quoted_answer_tokens=quoted,
     )
 
 
@@ -242,6 +250,10 @@ async def run_workload(cfg: ClientConfig, requests: list[WorkloadRequest],
     import aiohttp
 
     done = {r.request_id: asyncio.Event() for r in requests}
+    by_id = {r.request_id: r for r in requests}
+    quoted_by = {r.depends_on for r in requests if r.answer_at is not None}
+    sent: dict[str, list[int]] = {}       # the prompt each request went out with
+    quoted: dict[str, int] = {}           # of which tokens the model produced in this run
     due: dict[str, float] = {}
     streams: dict[str, tuple[_Stream, float | None]] = {}
     records: dict[str, RequestRecord] = {}
@@ -255,6 +267,18 @@ async def run_workload(cfg: ClientConfig, requests: list[WorkloadRequest],
         def clock() -> float:
             return time.monotonic() - t0
 
+        def _quoting(req: WorkloadRequest) -> tuple[list[int], int]:
+            """The prompt to send (quoting the parent's real answer) and how
+            many of its tokens the model produced."""
+            parent = by_id.get(req.depends_on) if req.answer_at is not None else None
+            if parent is None or parent.request_id not in sent:
+                return list(req.prompt_token_ids), 0
+            st_p = streams.get(parent.request_id, (None,))[0]
+            produced = st_p.token_ids if st_p is not None and st_p.error is None else None
+            prompt = prompt_to_send(req, parent, sent[parent.request_id], produced)
+            used = produced is not None and len(produced) == parent.max_tokens
+            return prompt, quoted.get(parent.request_id, 0) + (parent.max_tokens if used else 0)
+
         async def one(req: WorkloadRequest) -> None:
             rid = req.request_id
             try:
@@ -264,17 +288,19 @@ async def run_workload(cfg: ClientConfig, requests: list[WorkloadRequest],
                 else:
                     await asyncio.sleep(max(0.0, req.arrival_s - clock()))
                 due[rid] = clock()
+                prompt, quoted[rid] = _quoting(req)
+                sent[rid] = prompt
                 async with sem:
                     st = _Stream()
                     streams[rid] = (st, None)
-                    await stream_completion(http, cfg, model, req, clock, st)
+                    await stream_completion(http, cfg, model, req, clock, st, prompt, rid in quoted_by)
                     streams[rid] = (st, clock())
             finally:
                 done[rid].set()
             facts = dict(TRACE_DEFAULTS)
             if cfg.fetch_trace:
                 facts = await fetch_trace(http, cfg.base_url, st.server_id, cfg.trace_timeout_s)
-            records[rid] = build_record(req, due[rid], streams[rid][1], st, facts)
+            records[rid] = build_record(req, due[rid], streams[rid][1], st, facts, quoted[rid])
             if on_done:
                 on_done(records[rid])
 

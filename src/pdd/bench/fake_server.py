@@ -92,6 +92,8 @@ class FakeOpenAIServer:
             sent += k
             choice = {"index": 0, "text": " t" * k, "logprobs": None,
                       "finish_reason": "length" if sent == n else None}
+            if body.get("return_token_ids"):   # ids of its own: 5000 + prompt length + position
+                choice["token_ids"] = [5000 + len(prompt) + i for i in range(sent - k, sent)]
             await send({"id": cid, "object": "text_completion", "choices": [choice]})
             if sent < n:
                 await asyncio.sleep(bh.token_delay_s)

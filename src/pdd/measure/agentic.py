@@ -13,12 +13,16 @@ from the prefix cache. That gives the report's skewed hit-rate distribution:
   very-short-output calls (classify or extract from a fresh document), the
   requests the abnormal-traffic filter keeps on RelayDecode.
 
-Determinism: the "previous answer" placed into the next prompt is synthetic
-(random ids of the answer's configured length, seeded), not what the model
-actually produced, so the workload and its theoretical hit rates depend on
-the seed only. The server cannot have cached those answer tokens, so the
-realised hit rate is the previous *prompt* over the new prompt, which is what
-`theoretical_hit_rates` computes.
+The previous answer in the next prompt: the workload holds seeded stand-in
+ids of the answer's length (`answer_at` marks where), so the workload, its
+shape and its theoretical hit rates depend on the seed only. Closed loop,
+the bench client puts the ids the model actually produced there
+(`pdd.measure.workload.prompt_to_send`), as an agent's next turn quotes its
+answer: the decoder that produced them may hold their KV (a decode-side
+prefix cache does), P never does (it computed only the prompt), so P's hit
+rate is still the previous *prompt* over the new one, which is what
+`theoretical_hit_rates` computes. Open loop, a turn may leave before its
+predecessor ends, so the stand-in ids stay.
 
 Sessions are closed-loop by default: turn t is sent `think_time_s` after
 turn t-1 finished. Session starts are a Poisson process.
@@ -189,7 +193,9 @@ def _session(cfg: AgenticConfig, idx: int, start_s: float, system: list[int],
     out: list[WorkloadRequest] = []
     prev_answer = 0
     for t in range(num_turns):
+        answer_at = None
         if t > 0:
+            answer_at = len(context)
             answer = random_tokens(rng, prev_answer, cfg.vocab_size)
             if rng.random() < cfg.big_tool_prob:
                 lo, hi = cfg.big_tool_fraction
@@ -213,6 +219,7 @@ def _session(cfg: AgenticConfig, idx: int, start_s: float, system: list[int],
             depends_on=out[-1].request_id if (out and cfg.closed_loop) else None,
             think_time_s=cfg.think_time_s if cfg.closed_loop else 0.0,
             kind=RequestKind.TURN,
+            answer_at=answer_at if (out and cfg.closed_loop) else None,
         ))
         prev_answer = max_tokens
     return out

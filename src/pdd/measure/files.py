@@ -53,7 +53,7 @@ def save_workload(workload: Workload, path: Path) -> None:
     reqs = [{"request_id": r.request_id, "arrival_s": r.arrival_s,
              "num_prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens,
              "session_id": r.session_id, "turn": r.turn, "depends_on": r.depends_on,
-             "think_time_s": r.think_time_s, "kind": r.kind.value,
+             "think_time_s": r.think_time_s, "kind": r.kind.value, "answer_at": r.answer_at,
              "prompt_token_ids": list(r.prompt_token_ids)} for r in workload.requests]
     doc = {"name": workload.name, "settings": workload.settings,
            "block_size": workload.block_size, "requests": reqs}
@@ -66,6 +66,6 @@ def load_workload(path: Path) -> Workload:
     reqs = [WorkloadRequest(d["request_id"], float(d["arrival_s"]), list(d["prompt_token_ids"]),
                             int(d["max_tokens"]), d.get("session_id"), int(d.get("turn", 0)),
                             d.get("depends_on"), float(d.get("think_time_s", 0.0)),
-                            RequestKind(d.get("kind", "turn"))) for d in doc["requests"]]
+                            RequestKind(d.get("kind", "turn")), d.get("answer_at")) for d in doc["requests"]]
     return Workload(doc.get("name", "workload"), reqs, doc.get("settings", {}),
                     int(doc.get("block_size", 16)))

@@ -29,6 +29,9 @@ class RequestRecord:
     # {"name", "t", ...}, e.g. prefill_end, kv_transfer (link, payload_bytes,
     # elapsed_s), kv_ready. What a replay needs to see where time went.
     events: list[dict] = field(default_factory=list)
+    # Prompt tokens that quote answers the model produced earlier in the run
+    # (closed-loop agentic turns; `pdd.measure.workload.prompt_to_send`).
+    quoted_answer_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -50,10 +50,32 @@ class WorkloadRequest:
     depends_on: str | None = None    # request_id of the previous turn (closed loop)
     think_time_s: float = 0.0        # delay after `depends_on` finished (closed loop)
     kind: RequestKind = RequestKind.TURN
+    # Closed loop: the prompt repeats `depends_on`'s prompt, then its answer
+    # from this position on (`depends_on`'s max_tokens long). The workload
+    # holds stand-in ids there; the bench client sends the ids the model
+    # produced (`prompt_to_send`), as an agent's next turn quotes its answer.
+    answer_at: int | None = None
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def prompt_to_send(req: WorkloadRequest, parent: WorkloadRequest | None, parent_sent: list[int] | None,
+                   produced: list[int] | None) -> list[int]:
+    """The prompt of `req` as an agent sends it: its parent's prompt as it
+    was sent, the answer the model produced, then the rest of `req`'s own
+    prompt. The stand-in answer stays where the parent's answer is unknown
+    (it failed, or stopped short of its max_tokens), so the shape holds."""
+    if req.answer_at is None or parent is None or parent_sent is None:
+        return list(req.prompt_token_ids)
+    if req.answer_at != parent.prompt_tokens or len(parent_sent) != parent.prompt_tokens:
+        raise ValueError(f"{req.request_id}: answer_at {req.answer_at} is not where {parent.request_id}'s "
+                         f"prompt ({parent.prompt_tokens} tokens) ends")
+    end = req.answer_at + parent.max_tokens
+    answer = produced if produced is not None and len(produced) == parent.max_tokens \
+        else req.prompt_token_ids[req.answer_at:end]
+    return list(parent_sent) + list(answer) + list(req.prompt_token_ids[end:])
 
 
 @dataclass

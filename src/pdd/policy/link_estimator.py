@@ -81,16 +81,19 @@ class LinkEstimator:
     def _fold(self, old: float, sample: float) -> float:
         return old + self.cfg.alpha * (sample - old)
 
-    def _landed(self, now: float, num_bytes: int, duration_s: float, what: str) -> float | None:
+    def _landed(self, now: float, num_bytes: int, duration_s: float, what: str,
+                less_rtt: bool = True) -> float | None:
         """A transfer that delivered: check, note the time and that the link is
-        up; its rate (bytes over the time less one round trip), or None for one
-        too small to say anything about bandwidth."""
+        up; its rate (bytes over the time, less one round trip if `less_rtt`),
+        or None for one too small to say anything about bandwidth."""
         if num_bytes < 0 or duration_s <= 0:
             raise ValueError(f"{what} needs num_bytes >= 0 and duration_s > 0")
         self._tick(now)
         self._up = True
         if num_bytes < self.cfg.min_sample_bytes:
             return None
+        if not less_rtt:
+            return num_bytes / duration_s
         return num_bytes / max(duration_s - self._rtt, duration_s * 0.1)
 
     def observe(self, now: float, num_bytes: int, duration_s: float) -> None:
@@ -128,7 +131,19 @@ class LinkEstimator:
         """
         held_back = max(0.0, handshake_s - self._rtt)
         line_s = max(elapsed_s - held_back - yielded_s, 1e-6)
-        if paced_s > max(PACED_MIN_S, PACED_MIN_SHARE * line_s):
+        if num_bytes < self.cfg.min_sample_bytes:
+            # Too small for a rate: it bounds the round trip, by its time less
+            # what it waited for P, or by its handshake (BEGIN -> HAVE) where
+            # that is shorter. Its whole time, as counted before, includes the
+            # prefill it streamed with and the END's answer: the RTT grew to
+            # 0.2 s on a 45 ms line, and rate samples that subtract it read
+            # 3x the line (the simulator, wan-bound preset, agents quoting
+            # their answers: one-block warm turns).
+            rtt = line_s - paced_s
+            if handshake_s > 0:
+                rtt = min(rtt, handshake_s)
+            self.observe(now, num_bytes, max(rtt, 1e-6))
+        elif paced_s > max(PACED_MIN_S, PACED_MIN_SHARE * line_s):
             self.observe_at_least(now, num_bytes, line_s)
         else:
             self.observe(now, num_bytes, line_s)
@@ -136,8 +151,10 @@ class LinkEstimator:
     def observe_at_least(self, now: float, num_bytes: int, duration_s: float) -> None:
         """A transfer that shows only that the line is at least this fast:
         it raises a floor under the estimate (halving every FLOOR_HALF_LIFE_S
-        without news), never lowers the rate."""
-        sample = self._landed(now, num_bytes, duration_s, "observe_at_least")
+        without news), never lowers the rate. Its bytes over its whole time:
+        a bound must not lean on the round-trip estimate, which subtracted
+        from a short paced copy's time made it look many times the line."""
+        sample = self._landed(now, num_bytes, duration_s, "observe_at_least", less_rtt=False)
         if sample is None:
             return
         floor = self._floor_at(now)

@@ -33,6 +33,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str
+    return_token_ids: bool = False   # vLLM's extension: each choice lists its tokens' ids
 
 
 # JSON deeper than this is refused before any field is read: no request of
@@ -160,12 +161,13 @@ def parse_request(body, chat: bool, tokenizer, served_model: str, max_model_len:
     opts = _typed(body, "stream_options", dict, {}, "an object")
     include_usage = _typed(opts, "include_usage", bool, False, "a boolean")
     ignore_eos = _typed(body, "ignore_eos", bool, False, "a boolean")
+    return_token_ids = _typed(body, "return_token_ids", bool, False, "a boolean")
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                   stop=tuple(stop or ()), ignore_eos=ignore_eos)
     except ValueError as e:
         raise ApiError(str(e), param=str(e).split(" ", 1)[0]) from None
-    return ParsedRequest(chat, prompt_ids, sampling, stream, include_usage, model)
+    return ParsedRequest(chat, prompt_ids, sampling, stream, include_usage, model, return_token_ids)
 
 
 def _completion_prompt(body: dict, tokenizer) -> list[int]:
@@ -221,7 +223,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def chunk(req_id: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False) -> dict:
+def chunk(req_id: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False,
+          token_ids: list[int] | None = None) -> dict:
+    """One SSE chunk; `token_ids` (asked for with `return_token_ids`) lists
+    the ids of the tokens whose text it carries."""
     if chat:
         delta = {} if text is None else {"content": text}
         if first:
@@ -231,10 +236,13 @@ def chunk(req_id: str, model: str, chat: bool, text: str | None, finish: str | N
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
         obj = "text_completion"
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return {"id": req_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-def full(req_id: str, model: str, chat: bool, text: str, finish: str, use: dict) -> dict:
+def full(req_id: str, model: str, chat: bool, text: str, finish: str, use: dict,
+         token_ids: list[int] | None = None) -> dict:
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                   "logprobs": None}
@@ -242,6 +250,8 @@ def full(req_id: str, model: str, chat: bool, text: str, finish: str, use: dict)
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         obj = "text_completion"
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return {"id": req_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
             "usage": use}
 

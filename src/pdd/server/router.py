@@ -158,12 +158,13 @@ class RouterServer:
         if parsed.stream:
             return await self._stream(request, parsed, ctx)
         text = ""
-        async for delta in self._texts(ctx, parsed):
+        async for _, delta in self._texts(ctx, parsed):
             text += delta
         if trace.error:
             return self._error(ApiError(trace.error, status=502, type_="server_error", code="upstream_failed"))
         return web.json_response(full(rid, parsed.model, chat, text, ctx.finish_reason or "stop",
-                                      usage(len(ctx.prompt_ids), len(ctx.tokens), trace.cached_tokens)))
+                                      usage(len(ctx.prompt_ids), len(ctx.tokens), trace.cached_tokens),
+                                      list(ctx.tokens) if parsed.return_token_ids else None))
 
     async def _stream(self, request, parsed, ctx: RequestContext) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -174,8 +175,9 @@ class RouterServer:
 
         first = True
         try:
-            async for delta in self._texts(ctx, parsed):
-                await send(chunk(ctx.request_id, parsed.model, parsed.chat, delta, None, first))
+            async for tok, delta in self._texts(ctx, parsed):
+                ids = None if not parsed.return_token_ids else [] if tok is None else [tok]
+                await send(chunk(ctx.request_id, parsed.model, parsed.chat, delta, None, first, ids))
                 first = False
             if ctx.trace.error:
                 await send(ApiError(ctx.trace.error, 502, type_="server_error", code="upstream_failed").body())
@@ -194,20 +196,21 @@ class RouterServer:
         return resp
 
     async def _texts(self, ctx: RequestContext, parsed):
-        """One text delta per token (possibly empty), cut at stop strings."""
+        """(token id, text delta) per token (the delta possibly empty), cut at
+        stop strings; a last (None, text) carries what the detokenizer held."""
         detok = self.tokenizer.detokenizer()
         trim = StopTrimmer(parsed.sampling.stop)
         t = ctx.trace
         try:
             async with contextlib.aclosing(self.flow(ctx)) as tokens:
                 async for tok in tokens:
-                    yield trim.push(detok.feed(tok))
+                    yield tok, trim.push(detok.feed(tok))
                     if trim.stopped:
                         ctx.finish_reason = "stop"
                         break
             tail = trim.push(detok.finish(), final=True)
             if tail:
-                yield tail
+                yield None, tail
             t.finish_reason = ctx.finish_reason
         except FlowError as e:
             t.error = str(e)

@@ -4,9 +4,12 @@ The simulator sees the very requests `pdd bench` sends: the same
 `pdd.measure.agentic.generate` / `pdd.measure.trace.load` output, or a saved
 `workload.json`. Token ids become chained block ids (equal prefixes -> equal
 ids, as the engine's chained block hashes), so prefix caches hit exactly
-where the real ones do. Output blocks get ids of their own: the bench client
-puts a *synthetic* previous answer into the next prompt, so what a decoder
-caches of its own output never matches a later prompt, but it takes room.
+where the real ones do. A closed-loop turn's next turn quotes its answer
+(`WorkloadRequest.answer_at`; the bench client sends the ids the model
+produced there): the workload's stand-in ids play the model's answer, so the
+blocks a decoder completes with its output get the ids the next prompt's
+blocks have, and its decode-side cache hits them as the real one does. Other
+output blocks get ids of their own (they take room, nothing matches them).
 
 Arrivals follow the bench client (its `run_workload`): a
 request without `depends_on` is due at `arrival_s`; a closed-loop turn is
@@ -32,12 +35,16 @@ def chained_block_ids(token_ids: Sequence[int], block_size: int) -> tuple[int, .
 
 
 def to_spec(req: WorkloadRequest, block_size: int, arrival_s: float | None = None,
-            session: int = -1) -> RequestSpec:
+            session: int = -1, quoted_by: WorkloadRequest | None = None) -> RequestSpec:
+    """`quoted_by`: the next turn, whose prompt repeats this one's answer."""
     ids = chained_block_ids(req.prompt_token_ids, block_size)
     n, out = req.prompt_tokens, req.max_tokens
-    # Blocks completed by the output: private ids chained after the prompt's.
+    # Blocks completed by the output (its last token is never computed): the
+    # next turn's where it quotes the answer, else private ids after the prompt's.
+    full = (n + out - 1) // block_size
+    quoted = chained_block_ids(quoted_by.prompt_token_ids[:n + out - 1], block_size) if quoted_by else ()
     tail = ids[-1] if ids else zlib.crc32(req.request_id.encode())
-    extra = tuple(hash((tail, -1, k)) for k in range((n + out) // block_size - len(ids)))
+    extra = quoted[len(ids):full] + tuple(hash((tail, -1, k)) for k in range(full - max(len(quoted), len(ids))))
     return RequestSpec(req.request_id, req.arrival_s if arrival_s is None else arrival_s, n, out,
                        out, ids, session=session, turn=req.turn, full_block_ids=ids + extra)
 
@@ -52,14 +59,19 @@ class BenchStream:
         self.block_size = block_size
         self._reqs = {r.request_id: r for r in workload.requests}
         self._children: dict[str, list[WorkloadRequest]] = {}
+        self._quoted_by: dict[str, WorkloadRequest] = {}
         for r in workload.requests:
             if r.depends_on in self._reqs:
                 self._children.setdefault(r.depends_on, []).append(r)
+                if r.answer_at is not None:
+                    self._quoted_by[r.depends_on] = r
         self._roots = [r for r in workload.requests if r.depends_on not in self._reqs]
 
     def initial(self) -> list[RequestSpec]:
-        return [to_spec(r, self.block_size) for r in self._roots]
+        return [self._spec(r, r.arrival_s) for r in self._roots]
+
+    def _spec(self, r: WorkloadRequest, arrival_s: float) -> RequestSpec:
+        return to_spec(r, self.block_size, arrival_s, quoted_by=self._quoted_by.get(r.request_id))
 
     def next_after(self, spec: RequestSpec, done_s: float, failed: bool) -> list[RequestSpec]:
-        return [to_spec(c, self.block_size, done_s + c.think_time_s)
-                for c in self._children.get(spec.request_id, [])]
+        return [self._spec(c, done_s + c.think_time_s) for c in self._children.get(spec.request_id, [])]
