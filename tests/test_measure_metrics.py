@@ -9,6 +9,7 @@ from pdd.measure.metrics import (
     Sla,
     cost_per_million_tokens,
     distribution,
+    first_gap_ratio,
     handoff_gap_ratio,
     meets_sla,
     percentile,
@@ -84,6 +85,17 @@ def test_handoff_gap_ratio():
     d = rec("d", 0.0, [0.1, 0.2, 0.3, 0.6], handoff_gap_s=0.3)
     assert handoff_gap_ratio([a, c, d]) == pytest.approx(5.0)        # the largest
     assert handoff_gap_ratio([a, c, d], 50) == pytest.approx(3.0)    # the median handoff's: 0.3 / 0.1
+
+
+def test_first_gap_ratio_counts_only_first_tokens_from_p():
+    a = rec("a", 0.0, [0.1, 0.4, 0.5, 0.6], first_token_from_p=True)    # waited 0.3 for MD
+    b = rec("b", 0.0, [0.1, 0.2, 0.3, 0.4])
+    c = rec("c", 0.0, [0.1, 0.3, 0.4, 0.5], first_token_from_p=True)
+    assert first_gap_ratio([b]) is None
+    assert first_gap_ratio([a, b, c]) == pytest.approx(3.0)          # 0.3 / median 0.1
+    assert first_gap_ratio([a, b, c], 50) == pytest.approx(2.5)      # median of 0.3 and 0.2
+    m = summarize_mode([a, b, c], Sla(1.0, 1.0), 1.0, 1.0)
+    assert m["num_first_from_p"] == 2 and m["first_gap_ratio"] == pytest.approx(3.0)
 
 
 def test_relative_change_and_cost_per_token():

@@ -67,7 +67,7 @@ def timeline(trace: dict) -> str:
     last = round(trace["token_times_s"][-1] - t0, 2) if trace.get("token_times_s") else None
     return (f"pipeline={trace.get('pipeline')} mode={trace.get('handoff_mode')} "
             f"rld_tokens={trace.get('rld_tokens')} batches={trace.get('handoff_batches')} "
-            f"last_token={last} sources={''.join('r' if s == 'rld' else 'm' for s in src)} events={evs}")
+            f"last_token={last} sources={''.join(s[0] for s in src)} events={evs}")
 
 
 def event(trace: dict, name: str) -> dict | None:
@@ -76,7 +76,8 @@ def event(trace: dict, name: str) -> dict | None:
 
 @pytest.fixture(scope="module")
 def auto(tmp_path_factory, smollm2_dir):
-    dep = start(tmp_path_factory, smollm2_dir, "auto", {"catchup_threshold_tokens": 16})
+    dep = start(tmp_path_factory, smollm2_dir, "auto", {"catchup_threshold_tokens": 16,
+                                                         "first_token_max_stall_s": 0.25})
     yield dep
     dep.stop()
 
@@ -162,7 +163,10 @@ def test_second_turn_goes_direct_and_sends_only_new_blocks(auto, reference, smol
     assert event(tr, "pipeline")["missing_bytes"] == (344 // 16 - 320 // 16) * 16 * KV_BYTES_PER_TOKEN
     new_blocks = (344 // 16) - (320 // 16)
     assert tr["wan_bytes"] == new_blocks * 16 * KV_BYTES_PER_TOKEN       # DRC: only what MD lacks
-    assert tr["cached_tokens"] == 320 and set(tr["token_sources"]) == {"md"}
+    # MD's tokens; the first one from P when MD's KV was due within first_token_max_stall_s
+    src = tr["token_sources"]
+    assert tr["cached_tokens"] == 320 and set(src[1:]) == {"md"}
+    assert src[0] == ("p" if event(tr, "pipeline")["wait_s"] <= 0.25 else "md"), timeline(tr)
 
 
 def test_long_prompt_short_output_is_filtered_to_rld(auto, reference, smollm2_dir):

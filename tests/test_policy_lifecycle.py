@@ -19,7 +19,7 @@ from lifecycle_world import World, ref
 # Final batches as soon as the session decides them; sending them with RLD's
 # next token (the default) is tested on its own below and in the event-order
 # properties (tests/test_policy_lifecycle_orders.py).
-CFG = PolicyConfig(handoff_on_rld_token=False)
+CFG = PolicyConfig(handoff_on_rld_token=False, first_token_max_stall_s=0.25)
 REQ = RequestFacts("req", 4096, 20, 1000, 16)
 
 
@@ -71,15 +71,49 @@ def started(d, max_tokens=20, cfg=CFG, warm_blocks=0):
 
 
 # --- every pipeline ------------------------------------------------------------
-def test_direct_streams_md_from_its_first_token():
+def test_direct_sends_p_first_token_at_once_then_md_from_the_second():
+    """MD's KV is due within first_token_max_stall_s of P's first token: the
+    user gets that token from P at once; MD's copy of it is skipped."""
     lc, cmds = started(DIRECT)
     assert cmds == [OpenDecode(Leg.MD, "m0", hold=False), StartPrefill("p0", (Transfer("m0"),))]
-    lc.handle(Prefilled(0.5, ref(0)))
+    assert emitted(lc.handle(Prefilled(0.5, ref(0)))) == [(0, ref(0), Leg.P)]
     assert lc.handle(TransferEnded(0.6, "m0", True)) == [ReleaseP("p0")]
     lc.handle(KvReady(0.7))
     out = md_tokens(lc, 0, 20) + lc.handle(DecodeEnded(2.0, Leg.MD, EndReason.LENGTH))
-    assert emitted(out) == [(i, ref(i), Leg.MD) for i in range(20)]
+    assert emitted(out) == [(i, ref(i), Leg.MD) for i in range(1, 20)]
+    assert lc.tokens == [ref(i) for i in range(20)]
     assert out[-1] == Finish(Outcome.DIRECT, FinishReason.LENGTH)
+
+
+@pytest.mark.parametrize("est, stall", [(0.1, 0.0), (0.4, 0.25)])
+def test_direct_streams_md_from_its_first_token_when_the_wait_is_long(est, stall):
+    """A longer expected wait for MD (or the option off) keeps the first
+    token for MD, so that TTFT shows the wait."""
+    lc, _ = started(decision(Pipeline.DIRECT, est=est), cfg=PolicyConfig(first_token_max_stall_s=stall))
+    assert emitted(lc.handle(Prefilled(0.5, ref(0)))) == []
+    lc.handle(KvReady(0.7))
+    out = md_tokens(lc, 0, 20) + lc.handle(DecodeEnded(2.0, Leg.MD, EndReason.LENGTH))
+    assert emitted(out) == [(i, ref(i), Leg.MD) for i in range(20)]
+
+
+def test_a_decoder_disagreeing_with_p_first_token_fails_the_request():
+    lc, _ = started(DIRECT)
+    lc.handle(Prefilled(0.5, ref(0)))
+    out = lc.handle(DecodeToken(0.8, Leg.MD, 0, ref(0) + 1))
+    assert out[-1].reason is FinishReason.ERROR and "disagrees at token 0" in out[-1].error
+
+
+def test_md_failing_after_p_first_token_fails_over_to_rld_without_repeating_it():
+    lc, _ = started(DIRECT)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(KvReady(0.7))
+    md_tokens(lc, 0, 1)                               # MD's copy of P's token: nothing new
+    out = lc.handle(PeerGone(0.9, Leg.MD, "silent", healthy("r0", "m0")))
+    assert of(out, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False)] and lc.outcome is Outcome.FAILOVER
+    lc.handle(TransferEnded(1.0, "r0", True))
+    out = rld_tokens(lc, 0, 20) + lc.handle(DecodeEnded(2.0, Leg.RLD, EndReason.LENGTH))
+    assert emitted(out) == [(i, ref(i), Leg.RLD) for i in range(1, 20)]
+    assert lc.tokens == [ref(i) for i in range(20)] and out[-1].outcome is Outcome.FAILOVER
 
 
 def test_relay_one_shot_handoff():

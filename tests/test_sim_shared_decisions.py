@@ -32,7 +32,7 @@ from pdd.measure.workload import Workload, WorkloadRequest
 pytestmark = pytest.mark.slow
 
 POLICY = {"direct_max_wan_s": 0.08, "catchup_threshold_tokens": 8, "catchup_final_max_tokens": 4,
-          "handoff_mode": "auto"}
+          "handoff_mode": "auto", "first_token_max_stall_s": 0.25}
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -94,7 +94,7 @@ def test_sim_and_servers_decide_alike(tmp_path, tiny_model_dir):
         "opendecode:rld", "opendecode:md", "start_prefill:kv+kv", "emit:rld", "note:kv_ready",
         "note:md_ready:catch_up", "extend", "extend_final", "pause:rld", "note:handoff_complete",
         "closestream:rld", "abort:rld", "emit:md", "finish:relay:length")
-    assert sim["r2"][2] == ("opendecode:md", "start_prefill:kv", "note:kv_ready", "emit:md",
+    assert sim["r2"][2] == ("opendecode:md", "start_prefill:kv", "emit:p", "note:kv_ready", "emit:md",
                             "finish:direct:length")
     assert sim["r3"][2] == ("opendecode:rld", "start_prefill:kv", "emit:rld", "finish:relay_filtered:length")
 

@@ -170,6 +170,7 @@ async def fetch_trace(http, base_url: str, server_id: str | None, timeout_s: flo
                     data = await resp.json(content_type=None)
                     if isinstance(data, dict):
                         facts.update({k: data[k] for k in TRACE_DEFAULTS if data.get(k) is not None})
+                        facts["first_token_from_p"] = (data.get("token_sources") or [None])[0] == "p"
                         facts["events"] = trace_events(data)
     except Exception:  # noqa: BLE001 - a missing trace must not fail the request
         pass
@@ -223,6 +224,7 @@ def build_record(req: WorkloadRequest, arrival_s: float, end_s: float, st: _Stre
         pipeline_reason=facts.get("pipeline_reason"),
         events=list(facts.get("events") or []),
         quoted_answer_tokens=quoted,
+        first_token_from_p=bool(facts.get("first_token_from_p")),
     )
 
 

@@ -87,6 +87,19 @@ def handoff_gap_ratio(records: list[RequestRecord], q: float | None = None) -> f
     return gap / med if med > 0 else None
 
 
+def first_gap_ratio(records: list[RequestRecord], q: float | None = None) -> float | None:
+    """For requests whose first token came from P: the gap before the
+    second (the wait for MD the early token moved out of TTFT) over the
+    median inter-token gap; the largest, or with q that percentile."""
+    gaps = [r.itls_s[0] for r in records if r.first_token_from_p and not r.failed and r.itls_s]
+    itls = [x for r in records if not r.failed for x in r.itls_s]
+    if not gaps or not itls:
+        return None
+    med = percentile(itls, 50)
+    gap = max(gaps) if q is None else percentile(gaps, q)
+    return gap / med if med > 0 else None
+
+
 def run_duration(records: list[RequestRecord]) -> float:
     """Seconds from the first arrival to the last token or completion."""
     if not records:
@@ -132,6 +145,9 @@ def summarize_mode(
         "handoff_gap_ratio": handoff_gap_ratio(records),
         "handoff_gap_ratio_p50": handoff_gap_ratio(records, 50),
         "num_handoffs": sum(1 for r in records if r.handoff_gap_s is not None),
+        "first_gap_ratio": first_gap_ratio(records),
+        "first_gap_ratio_p50": first_gap_ratio(records, 50),
+        "num_first_from_p": sum(1 for r in records if r.first_token_from_p),
         "prefix_hit_rate": (
             sum(r.cached_tokens for r in records) / max(1, sum(r.prompt_tokens for r in records))
         ),

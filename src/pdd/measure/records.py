@@ -32,6 +32,9 @@ class RequestRecord:
     # Prompt tokens that quote answers the model produced earlier in the run
     # (closed-loop agentic turns; `pdd.measure.workload.prompt_to_send`).
     quoted_answer_tokens: int = 0
+    # The first token went out from P (PDD, `first_token_max_stall_s`): the
+    # wait for MD shows as the gap before the second token.
+    first_token_from_p: bool = False
 
     @property
     def hit_rate(self) -> float:

@@ -71,6 +71,15 @@ def _gaps(m: dict) -> str:
             f" ({m.get('num_handoffs', '?')})")
 
 
+def _first_gaps(m: dict) -> str:
+    """After a first token from P, the gap before the second over the median
+    inter-token gap: 'p50 / max (n requests)'."""
+    if _num(m.get("first_gap_ratio")) is None:
+        return "-"
+    return (f"{_fmt(m.get('first_gap_ratio_p50'), '.1f')} / {_fmt(m['first_gap_ratio'], '.1f')}x"
+            f" ({m.get('num_first_from_p', '?')})")
+
+
 def _pct(x) -> str:
     return "-" if _num(x) is None else f"{x * 100:+.1f}%"
 
@@ -96,6 +105,7 @@ COLUMNS = [  # header, getter(mode name, mode summary) -> cell
     ("hit", lambda n, m: _fmt(m["prefix_hit_rate"], ".1f", 100, "%")),
     ("RLD tok", lambda n, m: _fmt(m["rld_token_share"], ".1f", 100, "%")),
     ("gap/ITL p50 / max", lambda n, m: _gaps(m)),
+    ("P-first gap/ITL", lambda n, m: _first_gaps(m)),
 ]
 
 

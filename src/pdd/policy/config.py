@@ -28,6 +28,15 @@ class PolicyConfig:
     # a high-hit follow-up's few new blocks cross the WAN about as fast as the
     # whole prompt reaches RLD, and a relay would only add RLD's work.
     relay_min_gain_s: float = 0.25
+    # A DIRECT request's first token goes to the user as soon as P has it
+    # (P sits beside the router) when MD is expected to hold the KV within
+    # this many seconds of it: the user then waits that long for the second
+    # token instead of for the first, as after an RLD's eager token. Longer
+    # expected waits keep the first token for MD, so that TTFT still shows
+    # them. 0 (default): always MD's, as the PD baselines (SGLang's and
+    # vLLM's disaggregated serving stream from the decoder only) and the
+    # simulator's PD modes, which share this policy, do.
+    first_token_max_stall_s: float = 0.0
     enable_drc: bool = True           # MD keeps a prefix cache (decode-side RadixCache)
     md_reachable: bool = True         # operator switch: False forces RELAY_ONLY ("wan down")
 
@@ -110,6 +119,8 @@ class PolicyConfig:
             raise ValueError("sibling_wait_min_fraction must be in [0, 1]")
         if self.relay_min_gain_s < 0:
             raise ValueError("relay_min_gain_s must be >= 0")
+        if self.first_token_max_stall_s < 0:
+            raise ValueError("first_token_max_stall_s must be >= 0")
         if not self.copy_max_yield_s > 0:
             raise ValueError("copy_max_yield_s must be > 0")
         for name in ("penalty_tokens_per_running", "penalty_tokens_per_waiting",

@@ -7,6 +7,8 @@ RLD, release P, emit a token, finish). No clock, no I/O: the router's
 `PddRun` and the simulator drive the same object. It owns, for one request:
 
     start -> StartPrefill (+ OpenDecode for RLD and/or MD)
+    DIRECT with MD's KV due within first_token_max_stall_s: P's first token
+      goes out at `Prefilled`; MD's copy of it (index 0) is skipped
     RLD streams eager tokens 0..k while MD's KV crosses the WAN
       every RLD token: the live filter (`cancel_wan`) may drop MD
     MD KvReady -> HandoffSession (`new_session`): ExtendMd* (token ids only)
@@ -68,6 +70,7 @@ class RequestLifecycle(RecoveryRules):
         self.owner = Leg.MD if direct else Leg.RLD
         self.outcome = Outcome.of(decision)
         self.tokens: list[int] = []                # the user's stream
+        self.p_first_out = False                   # tokens[0] went out from P, not a decoder
         self.session: HandoffSession | None = None
         self.stop_at: int | None = None
         self.held: dict[int, int] = {}             # RLD tokens past stop_at
@@ -206,6 +209,24 @@ class RequestLifecycle(RecoveryRules):
                 self._maybe_release_p()
         elif rld is not None:
             self._out.append(StartTransfer(rld))
+        if (self.done is None and not self.tokens and self.owner is Leg.MD and self.md_live
+                and not self.takeover_pending and self.d.pipeline is Pipeline.DIRECT
+                and self.d.wait_s <= self.cfg.first_token_max_stall_s):
+            self.p_first_out = True
+            self._emit(f.token, Leg.P)
+
+    def _decoder_tokens(self) -> int:
+        """The user's tokens that came from a decoder (RLD or MD), not P."""
+        return len(self.tokens) - self.p_first_out
+
+    def _already_out(self, f: DecodeToken) -> bool:
+        """A decoder's copy of a token the user already has: P's first one."""
+        if f.index >= len(self.tokens):
+            return False
+        if self.tokens[f.index] != f.token:
+            raise _Failed(f"{f.leg.value} stream disagrees at token {f.index}: "
+                          f"{f.token} against {self.tokens[f.index]} already sent")
+        return True
 
     def _on_transfer(self, f: TransferEnded) -> None:
         self.transfers[f.instance_id] = f.ok
@@ -250,6 +271,8 @@ class RequestLifecycle(RecoveryRules):
             return
         if self.stop_at is not None and f.index >= self.stop_at:
             self.held[f.index] = f.token
+            return
+        if self._already_out(f):
             return
         if f.index != len(self.tokens):
             raise _Failed(f"relay stream out of order: token {f.index}, expected {len(self.tokens)}")
@@ -337,6 +360,8 @@ class RequestLifecycle(RecoveryRules):
             self.session.on_batch_extended(f.now, f.index, f.index)
             self._complete(f.now)
         if self.owner is Leg.MD:
+            if self._already_out(f):
+                return
             if f.index != len(self.tokens):
                 raise _Failed(f"main-decode stream out of order: token {f.index}, expected {len(self.tokens)}")
             self._emit(f.token, Leg.MD)
@@ -357,7 +382,7 @@ class RequestLifecycle(RecoveryRules):
         if self.rld_lost is not None and not f.reason.normal:
             raise _Failed(f"main decode on {self.md_id} failed ({f.error or f.reason.value}) "
                           f"after relay decode {self.rld_id} was lost ({self.rld_lost})")
-        if f.reason is EndReason.ERROR and not self.tokens and self._failover(f.now, f.error, f.healthy):
+        if f.reason is EndReason.ERROR and not self._decoder_tokens() and self._failover(f.now, f.error, f.healthy):
             return
         if not f.reason.normal:
             raise _Failed(f.error or f"instance stream ended early ({f.reason.value})")

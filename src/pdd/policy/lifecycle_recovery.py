@@ -93,7 +93,7 @@ class RecoveryRules:
             raise _Failed(f"main decode on {self.md_id} failed ({why}) after relay decode "
                           f"{self.rld_id} was lost ({self.rld_lost})")
         if self.owner is Leg.MD:
-            if not self.tokens and self._failover(now, why, healthy):
+            if not self._decoder_tokens() and self._failover(now, why, healthy):
                 return
             raise _Failed(f"main decode failed: {why}")
         self._drop_md(why)

@@ -57,7 +57,7 @@ class SimRequest:
                  "uncached_kv_bytes", "pipeline", "pipeline_reason", "handoff_mode", "done_s", "failed",
                  "error", "p_id", "lc", "targets", "legs", "seqs", "md_context",
                  "p_blocks", "p_shared", "warm_blocks", "last_delay_s", "log", "prefill_done_s", "streamed",
-                 "kv_made_by_s")
+                 "kv_made_by_s", "p_first")
 
     def __init__(self, spec: RequestSpec, stride: int = 1) -> None:
         self.spec = spec
@@ -91,6 +91,7 @@ class SimRequest:
         self.prefill_done_s: float | None = None   # when P finished the prompt
         self.streamed = False             # its KV left P while the prefill ran (streamed transfers)
         self.kv_made_by_s: float | None = None   # streamed layer by layer: when P should have made it all
+        self.p_first = False                     # the first token went out from P
 
     @property
     def finished(self) -> bool:
@@ -142,7 +143,7 @@ class SimRequest:
             failed=self.failed, error=self.error, wan_bytes=self.wan_bytes,
             uncached_kv_bytes=self.uncached_kv_bytes, rld_tokens=self.rld_tokens,
             handoff_gap_s=gap, pipeline=self.pipeline, pipeline_reason=self.pipeline_reason,
-            handoff_mode=self.handoff_mode,
+            handoff_mode=self.handoff_mode, first_token_from_p=self.p_first,
             token_stride=self.stride, token_indices=self.indices,
             events=[{"name": "lifecycle", "log": list(self.log.words)}] if self.lc is not None else [],
         )
