@@ -124,3 +124,21 @@ def test_short_paced_copies_keep_the_estimate_near_the_line():
     est = le.estimate(t)
     assert est.rtt_s < 0.08
     assert est.throughput_bytes_s < 1.2 * 7.5 * MB
+
+
+def test_a_transfer_that_shared_the_line_is_no_rate_sample():
+    """Four cold copies crossing together each take 4x as long; small ones
+    behind another's buffered bytes look like a fixed cost. The router counts
+    the queue ahead of a new transfer itself: neither may move the rate, the
+    fixed cost or the round trip. A paced one still bounds the rate."""
+    le = LinkEstimator.from_line(60e6, 0.02)
+    for k in range(20):
+        le.observe_transfer(float(k), 45 * MB, elapsed_s=24.0, handshake_s=0.045, shared=True)
+        le.observe_transfer(k + 0.5, 368_640, elapsed_s=0.6, handshake_s=0.045, shared=True)
+        le.observe_transfer(k + 0.6, 0, elapsed_s=0.4, handshake_s=0.3, shared=True)
+    est = le.estimate(20.0)
+    assert est.throughput_bytes_s == pytest.approx(7.5 * MB) and est.overhead_s == 0.0
+    assert est.rtt_s == pytest.approx(0.04)
+    for k in range(10):
+        le.observe_transfer(21.0 + k, 40 * MB, elapsed_s=2.0, paced_s=1.5, shared=True)
+    assert le.estimate(30.0).throughput_bytes_s > 15 * MB          # at least 40 MB in 2 s

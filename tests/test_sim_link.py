@@ -151,3 +151,13 @@ def test_a_new_transfer_waits_for_what_a_yielding_copy_has_on_the_line():
     assert ends(30.0) == {"user": pytest.approx(1.8), "copy": pytest.approx(2.5)}
     # Never more than the copy has left.
     assert ends(1000.0) == {"copy": pytest.approx(2.0), "user": pytest.approx(2.5)}
+
+
+def test_a_flow_knows_whether_it_shared_the_line():
+    link = Link("wan", 1e6, 0.0)
+    link.add(0.0, "a", 1e6)
+    done, _ = link.complete(1.0 + 1e-6, link.version)
+    assert [f.flow_id for f in done] == ["a"] and not done[0].shared
+    link.add(2.0, "b", 1e6)
+    link.add(2.5, "c", 1e5)
+    assert link.flows["b"].shared and link.flows["c"].shared

@@ -66,6 +66,25 @@ def test_two_foreground_transfers_share_and_neither_yields():
     first, second = asyncio.run(asyncio.wait_for(race(background_first=False), 30))
     assert first.ok and second.ok
     assert first.yielded_s == 0.0 and second.yielded_s == 0.0
+    # each knows it shared the line (no rate sample for the router's estimate)
+    assert first.shared_line and second.shared_line
+
+
+def test_a_transfer_alone_on_its_line_says_so():
+    async def main():
+        receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, Sink())
+        sender = KVSender(SECRET)
+        try:
+            data, h = blocks(2, 64 * 1024, 3)
+            one = await sender.send("127.0.0.1", receiver.port, "one", {}, h, data, 30, line="wan").wait()
+            data, h = blocks(2, 64 * 1024, 4)
+            two = await sender.send("127.0.0.1", receiver.port, "two", {}, h, data, 30, line="wan").wait()
+            return one, two
+        finally:
+            await sender.close()
+            await receiver.close()
+    one, two = asyncio.run(asyncio.wait_for(main(), 30))
+    assert one.ok and two.ok and not one.shared_line and not two.shared_line
 
 
 def test_gate_holds_background_only_while_foreground_is_in_progress():

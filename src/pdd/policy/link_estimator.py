@@ -114,7 +114,7 @@ class LinkEstimator:
         self._mxy += w * (x * y - self._mxy)
 
     def observe_transfer(self, now: float, num_bytes: int, elapsed_s: float, handshake_s: float = 0.0,
-                         yielded_s: float = 0.0, paced_s: float = 0.0) -> None:
+                         yielded_s: float = 0.0, paced_s: float = 0.0, shared: bool = False) -> None:
         """A completed transfer as its sender timed it.
 
         Left out of its time on the line: what the receiver held its HAVE
@@ -124,6 +124,14 @@ class LinkEstimator:
         P to compute its blocks (streamed with the prefill). Such a copy
         crossed at P's pace, with the line idle between P's slices, so its
         rate is only a *lower bound* on the line's (`observe_at_least`).
+        `shared`: another transfer sent on the line during this one; its time
+        then says how the line was shared, which the router counts apart
+        (the backlog ahead of a new transfer), not how fast the line is: it
+        is no rate sample (a paced one still bounds the rate from below),
+        nor a round-trip one. Counted, the opening burst's four cold copies
+        sharing the line read 2-4 MB/s on a 7.5 MB/s line, and small copies
+        behind a yielding copy's buffered bytes a fixed cost of 0.35 s: the
+        router judged a one-block transfer 0.4 s away (`results/wb-dbg-1`).
         Subtracting the waits instead is wrong the other way: the sender
         waits while the bytes it wrote last are still in socket buffers on
         their way, and a cold prompt's copy then looked 10x faster than the
@@ -131,6 +139,13 @@ class LinkEstimator:
         """
         held_back = max(0.0, handshake_s - self._rtt)
         line_s = max(elapsed_s - held_back - yielded_s, 1e-6)
+        paced = paced_s > max(PACED_MIN_S, PACED_MIN_SHARE * line_s)
+        if shared:
+            if paced:
+                self.observe_at_least(now, num_bytes, line_s)
+            else:
+                self._landed(now, num_bytes, line_s, "observe_transfer")
+            return
         if num_bytes < self.cfg.min_sample_bytes:
             # Too small for a rate: it bounds the round trip, by its time less
             # what it waited for P, or by its handshake (BEGIN -> HAVE) where
@@ -143,7 +158,7 @@ class LinkEstimator:
             if handshake_s > 0:
                 rtt = min(rtt, handshake_s)
             self.observe(now, num_bytes, max(rtt, 1e-6))
-        elif paced_s > max(PACED_MIN_S, PACED_MIN_SHARE * line_s):
+        elif paced:
             self.observe_at_least(now, num_bytes, line_s)
         else:
             self.observe(now, num_bytes, line_s)

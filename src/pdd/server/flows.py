@@ -133,7 +133,7 @@ def _observe(estimator, ev: dict) -> None:
     """A landed copy's times, as P's sender reports them, into a line's estimator."""
     estimator.observe_transfer(time.monotonic(), int(ev.get("payload_bytes", 0)), float(ev["elapsed_s"]),
                                float(ev.get("handshake_s") or 0.0), float(ev.get("yielded_s") or 0.0),
-                               float(ev.get("waited_s") or 0.0))
+                               float(ev.get("waited_s") or 0.0), bool(ev.get("shared_line")))
 
 
 def note_transfer(ctx: RequestContext, ev: dict, cluster: Cluster) -> None:
@@ -154,8 +154,8 @@ def note_transfer(ctx: RequestContext, ev: dict, cluster: Cluster) -> None:
         ctx.trace.wan_bytes += int(ev.get("payload_bytes", 0))
     ctx.trace.event("kv_transfer", **{k: ev.get(k) for k in
                                       ("target", "link", "ok", "error", "payload_bytes", "blocks_sent",
-                                       "blocks_skipped", "elapsed_s", "waited_s", "yielded_s",
-                                       "background")})
+                                       "blocks_skipped", "elapsed_s", "handshake_s", "waited_s", "yielded_s",
+                                       "shared_line", "background")})
 
 
 async def colocated_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient) -> AsyncIterator[int]:

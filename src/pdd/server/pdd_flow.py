@@ -69,11 +69,17 @@ class PddRun:
         names = [m.spec.name for m in c.members.values()
                  if m.view.role.value in ("prefill", "main", "relay")]
         matched = await c.matched_tokens(names, ctx.prompt_ids)
-        d = choose_pipeline(facts, c.view(matched, time.monotonic()), c.policy, c.relay_budgets)
+        view = c.view(matched, time.monotonic())
+        d = choose_pipeline(facts, view, c.policy, c.relay_budgets)
         self.decision = d
         ctx.trace.pipeline, ctx.trace.pipeline_reason = io.Outcome.of(d).value, d.reason
+        w = view.wan
         ctx.trace.event("pipeline", pipeline=d.pipeline.value, reason=d.reason,
-                        missing_bytes=d.missing_bytes, est_wan_s=d.est_wan_s, wait_s=d.wait_s)
+                        missing_bytes=d.missing_bytes, est_wan_s=d.est_wan_s, wait_s=d.wait_s,
+                        # the line as the decision saw it
+                        wan=None if w is None else {"rtt_s": w.rtt_s, "bytes_s": w.throughput_bytes_s,
+                                                    "overhead_s": w.overhead_s, "queued_bytes": w.queued_bytes,
+                                                    "queued_background_bytes": w.queued_background_bytes})
         self.members[io.Leg.P] = c.members[d.p_id]
         return RequestLifecycle(facts, d, c.policy, c.relay_budgets, self.plan_warm(d, matched))
 

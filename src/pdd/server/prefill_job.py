@@ -259,7 +259,7 @@ class PrefillJob:
             "payload_bytes": st.payload_bytes, "bytes_sent": st.bytes_sent,
             "blocks_sent": st.num_blocks_sent, "blocks_skipped": st.num_blocks_skipped,
             "elapsed_s": st.elapsed_s, "handshake_s": st.handshake_s, "yielded_s": st.yielded_s,
-            "waited_s": st.waited_s,
+            "waited_s": st.waited_s, "shared_line": st.shared_line,
             "background": background, "ts": time.time(),
         })
 

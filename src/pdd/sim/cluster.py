@@ -119,6 +119,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         self.flow_steps: dict[str, int] = {}      # flow id -> receiver's step count at its start
         self.flow_handshake: dict[str, float] = {}   # flow id -> BEGIN..HAVE seconds
         self.flow_yielded: dict[str, float] = {}     # flow id -> seconds it yielded the line
+        self.flow_shared: set[str] = set()           # flows that shared their line with another
         self.flow_paced: dict[str, float] = {}       # flow id -> seconds it waited for P's KV
         self.flow_paced_since: dict[str, float] = {}  # flow id -> since when P paces it (streamed)
         self.flow_waiters: dict[str, list] = {}      # flow id -> callbacks when it ends (landed or cancelled)

@@ -68,6 +68,7 @@ class Flow:
     made_bytes: float = 0.0          # what P had made of it at made_s (`progress`)
     made_s: float = 0.0
     lead: float = 0.0                # bytes already on the line: they go before any priority
+    shared: bool = False             # another flow was on the line meanwhile (as P's sender reports)
 
 
 class Link:
@@ -224,8 +225,11 @@ class Link:
         self._advance(now)
         if not background and (self.buffer_bytes > 0 or self.yield_leak_bytes > 0):
             self._buffered_ahead()
-        self.flows[flow_id] = Flow(flow_id, float(num_bytes), float(num_bytes), now, background,
-                                   cap_bytes_s=cap_bytes_s or math.inf, made_s=now)
+        flow = Flow(flow_id, float(num_bytes), float(num_bytes), now, background,
+                    cap_bytes_s=cap_bytes_s or math.inf, made_s=now, shared=bool(self.flows))
+        for other in self.flows.values():
+            other.shared = True
+        self.flows[flow_id] = flow
         return self._next()
 
     def _buffered_ahead(self) -> None:

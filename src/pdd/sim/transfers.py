@@ -168,6 +168,8 @@ class TransfersMixin:
         evs = [Event(nxt[0], TransferDone(name, nxt[1]))] if nxt else []
         for flow in done:
             self.flow_yielded[flow.flow_id] = flow.yielded_s
+            if flow.shared:
+                self.flow_shared.add(flow.flow_id)
             req = self.flows[flow.flow_id][0]
             if req.streamed and req.prefill_done_s is None:
                 # Streamed ahead of P: the last chunk's blocks are not computed yet.
@@ -256,7 +258,9 @@ class TransfersMixin:
             self.flow_paced_since.pop(flow_id, None)
             self.estimators[link_name].observe_transfer(
                 now, num_bytes, max(now - start, 1e-6), self.flow_handshake.pop(flow_id, 0.0),
-                self.flow_yielded.pop(flow_id, 0.0), self.flow_paced.pop(flow_id, 0.0))
+                self.flow_yielded.pop(flow_id, 0.0), self.flow_paced.pop(flow_id, 0.0),
+                flow_id in self.flow_shared)
+            self.flow_shared.discard(flow_id)
             if link_name == "wan":
                 req.wan_bytes += num_bytes
             dst = self.instances[dst_id]
@@ -279,6 +283,7 @@ class TransfersMixin:
             for table in (self.flow_handshake, self.flow_paced, self.flow_paced_since):
                 table.pop(fid, None)
             self.flow_steps.pop(fid, None)
+            self.flow_shared.discard(fid)
             nxt = self.links[name].cancel(now, fid)
             evs += [Event(nxt[0], TransferDone(name, nxt[1]))] if nxt else []
             evs += self._flow_ended(fid, now)
@@ -307,6 +312,7 @@ class TransfersMixin:
             for table in (self.flow_handshake, self.flow_steps, self.flow_yielded, self.flow_paced,
                           self.flow_paced_since):
                 table.pop(fid, None)
+            self.flow_shared.discard(fid)
             nxt = link.cancel(now, fid)
             evs += [Event(nxt[0], TransferDone(name, nxt[1]))] if nxt else []
             evs += self._flow_ended(fid, now)

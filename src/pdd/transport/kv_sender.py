@@ -109,6 +109,8 @@ class KVSender:
         # blocks, so a background copy that carries blocks a waiting transfer
         # needs must not yield meanwhile (priority inheritance).
         self._awaiting_have: dict[tuple[str, int], list[frozenset]] = {}
+        # Transfers past HAVE, per line: each learns whether it ever shared it.
+        self._on_line: dict[str, dict[int, TransferStatus]] = {}
 
     def send(self, host: str, port: int, request_id: str, meta: dict, block_hashes: list[bytes],
              get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S, *,
@@ -275,6 +277,21 @@ class KVSender:
                                  finish, parts)
         finally:
             self._let_go(handle)
+            self._leave_line(handle.status)
+
+    def _join_line(self, line: str, status: TransferStatus) -> None:
+        members = self._on_line.setdefault(line, {})
+        if members:
+            status.shared_line = True
+            for other in members.values():
+                other.shared_line = True
+        members[id(status)] = status
+
+    def _leave_line(self, status: TransferStatus) -> None:
+        for line, members in list(self._on_line.items()):
+            members.pop(id(status), None)
+            if not members:
+                del self._on_line[line]
 
     def _let_go(self, handle: TransferHandle) -> None:
         if handle.holds_line is not None:
@@ -303,6 +320,8 @@ class KVSender:
                     raise _PeerError(f"protocol error: expected HAVE for {len(hashes)} blocks, got {have}")
                 status.num_blocks_skipped = len(have.indices)
                 status.state = TransferState.TRANSFERRING
+                if line is not None:
+                    self._join_line(line, status)
                 if line is not None and not background:
                     # Background transfers on the line wait from now until this
                     # one has written its last block (or ended). Not before HAVE:

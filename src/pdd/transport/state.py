@@ -47,6 +47,10 @@ class TransferStatus:
     # Sender, streamed transfers: time spent waiting for blocks (or the END's
     # meta) that the producer had not computed yet; not the line's speed either.
     waited_s: float = 0.0
+    # Sender, on a named line: another transfer of this sender was sending on
+    # the same line at some point between this one's HAVE and its end, so its
+    # time says how the line was shared, not how fast it is.
+    shared_line: bool = False
     meta: dict = field(default_factory=dict)
 
     @property
