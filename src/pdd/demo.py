@@ -103,10 +103,14 @@ def explain(summary: dict) -> str:
     gain = 1 - p90["pdd"] / p90["pd-wan-drc"] if p90["pd-wan-drc"] > 0 else 0.0
     verb = f"{gain:.0%} lower than" if gain > 0.02 else ("about the same as" if gain > -0.02 else
                                                          f"{-gain:.0%} higher than")
+    early = m["pdd"].get("num_first_from_p") or 0
+    gap = m["pdd"].get("first_gap_ratio_p50")
+    how = (f"; PDD sent {early} such first tokens from the prefill side while the few new blocks crossed, "
+           f"the second token then came {gap:.1f}x the usual gap later" if early and gap else "")
     return (f"Across datacenters, PDD's slow tail of first tokens (p90 {p90['pdd']:.1f} s) was {verb} plain "
             f"cross-datacenter PD with a decode-side cache ({p90['pd-wan-drc']:.1f} s), against "
             f"{p90['pd-local']:.1f} s with everything in one datacenter; the median request "
             f"({p50['pdd']:.2f} s vs {p50['pd-wan-drc']:.2f} s and {p50['pd-local']:.2f} s) hits its prefix cache "
-            f"and crosses the WAN in a fraction of a second in every mode. RelayDecode emitted "
+            f"and crosses the WAN in a fraction of a second in every mode{how}. RelayDecode emitted "
             f"{m['pdd']['rld_token_share']:.1%} of the tokens, hiding the low-hit turns' transfers; one short "
             f"run on a shared machine, so differences of a few percent are noise.")
