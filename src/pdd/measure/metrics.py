@@ -75,29 +75,29 @@ def meets_sla(r: RequestRecord, sla: Sla) -> bool:
     return r.ttft_s <= sla.ttft_s and (tpot is None or tpot <= sla.tpot_s)
 
 
-def handoff_gap_ratio(records: list[RequestRecord], q: float | None = None) -> float | None:
-    """Largest inter-token gap at a handoff divided by the median inter-token
-    gap; with q, that percentile of the handoffs' gaps instead of the largest."""
-    gaps = [r.handoff_gap_s for r in records if r.handoff_gap_s is not None]
+def _over_median_itl(gaps: list[float], records: list[RequestRecord], q: float | None) -> float | None:
+    """The largest of `gaps` (with q, that percentile of them) over the
+    median inter-token gap of the finished requests."""
     itls = [x for r in records if not r.failed for x in r.itls_s]
     if not gaps or not itls:
         return None
     med = percentile(itls, 50)
     gap = max(gaps) if q is None else percentile(gaps, q)
     return gap / med if med > 0 else None
+
+
+def handoff_gap_ratio(records: list[RequestRecord], q: float | None = None) -> float | None:
+    """Largest inter-token gap at a handoff divided by the median inter-token
+    gap; with q, that percentile of the handoffs' gaps instead of the largest."""
+    return _over_median_itl([r.handoff_gap_s for r in records if r.handoff_gap_s is not None], records, q)
 
 
 def first_gap_ratio(records: list[RequestRecord], q: float | None = None) -> float | None:
     """For requests whose first token came from P: the gap before the
     second (the wait for MD the early token moved out of TTFT) over the
     median inter-token gap; the largest, or with q that percentile."""
-    gaps = [r.itls_s[0] for r in records if r.first_token_from_p and not r.failed and r.itls_s]
-    itls = [x for r in records if not r.failed for x in r.itls_s]
-    if not gaps or not itls:
-        return None
-    med = percentile(itls, 50)
-    gap = max(gaps) if q is None else percentile(gaps, q)
-    return gap / med if med > 0 else None
+    return _over_median_itl([r.itls_s[0] for r in records if r.first_token_from_p and not r.failed and r.itls_s],
+                            records, q)
 
 
 def run_duration(records: list[RequestRecord]) -> float:
