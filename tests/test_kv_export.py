@@ -123,3 +123,15 @@ def test_kv_exported_in_another_process_continues_exactly(tiny_model, tiny_model
     b.import_kv(out.read_bytes(), pin_for="r")
     assert resume(b, "r", p, [t1]) == alone(tiny_model, p)
     assert b.requests["r"].num_cached_tokens == 80
+
+
+def test_a_streamed_block_goes_in_parts_of_at_least_64_kib():
+    from pdd.engine.kv_codec import STREAM_PART_MIN_BYTES, KVLayout, layers_per_part
+    bf16 = KVLayout("smollm2", "bfloat16", 16, 30, 3, 64)        # 368,640 bytes a block
+    fp32 = KVLayout("smollm2", "float32", 16, 30, 3, 64)
+    assert (bf16.layers_per_part, bf16.stream_slices) == (6, 5)  # 12,288 bytes a layer
+    assert (fp32.layers_per_part, fp32.stream_slices) == (3, 10)
+    for lay in (bf16, fp32):
+        assert lay.layers_per_part * lay.block_bytes // lay.num_layers >= STREAM_PART_MIN_BYTES
+    assert layers_per_part(512 * 10**6, 60) == 1                 # report-scale blocks: every layer
+    assert layers_per_part(1000, 4) == 4                          # never more than the model has

@@ -332,8 +332,8 @@ class Engine:
             "num_steps": self.num_steps,
             "decode_step_s": self.recent_decode_step_s(),
             "prefill_tokens_s": self.recent_prefill_tokens_s(),
-            # P streams a prompt's KV layer by layer as its steps compute it
-            "kv_stream_slices": self.runner.num_layers,
+            # P streams a prompt's KV a few layers at a time as its steps compute it
+            "kv_stream_slices": self.layout.stream_slices,
         }
 
     def recent_decode_step_s(self, window: int = 32) -> float | None:

@@ -182,6 +182,7 @@ class PrefillJob:
         runner, bs = engine.runner, engine.cfg.block_size
         num_layers = runner.num_layers
         layer_bytes = engine.layout.block_bytes // num_layers
+        step = engine.layout.layers_per_part
         sent = {i: 0 for i in range(nblk) if i not in held}     # block -> layers sent
         while sent:
             seen = self._seen()
@@ -203,7 +204,7 @@ class PrefillJob:
                 else:
                     break
                 lo = sent[i]
-                if upto > lo:
+                if upto >= num_layers and lo < num_layers or upto - lo >= step:
                     out.append((i, lo, upto, runner.read_block_layers(req.block_ids[i], lo, upto)))
             # Valid only if the request kept its blocks while we read them.
             if req.num_preemptions != gen or self.server.engine.requests.get(self.request_id) is not req:
