@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from pdd.measure.metrics import run_duration
 from pdd.measure.records import RequestRecord
-from pdd.measure.workload import WorkloadRequest, prompt_to_send
+from pdd.measure.workload import WorkloadRequest, answer_complete, prompt_to_send
 
 # Keys of GET /requests/{id}/trace and their defaults.
 TRACE_DEFAULTS: dict = {
@@ -278,8 +278,8 @@ async def run_workload(cfg: ClientConfig, requests: list[WorkloadRequest],
             st_p = streams.get(parent.request_id, (None,))[0]
             produced = st_p.token_ids if st_p is not None and st_p.error is None else None
             prompt = prompt_to_send(req, parent, sent[parent.request_id], produced)
-            used = produced is not None and len(produced) == parent.max_tokens
-            return prompt, quoted.get(parent.request_id, 0) + (parent.max_tokens if used else 0)
+            used = parent.max_tokens if answer_complete(parent, produced) else 0
+            return prompt, quoted.get(parent.request_id, 0) + used
 
         async def one(req: WorkloadRequest) -> None:
             rid = req.request_id

@@ -64,9 +64,7 @@ class KVLayout:
 
     @property
     def stream_slices(self) -> int:
-        """How many parts a streamed block goes in (the router's and the
-        simulator's model of what hides behind a step)."""
-        return -(-self.num_layers // self.layers_per_part)
+        return stream_parts(self.block_bytes, self.num_layers)
 
 
 def layers_per_part(block_bytes: int, num_layers: int) -> int:
@@ -78,6 +76,12 @@ def layers_per_part(block_bytes: int, num_layers: int) -> int:
     MD's) than with one."""
     per_layer = max(1, block_bytes // max(1, num_layers))
     return max(1, min(num_layers, -(-STREAM_PART_MIN_BYTES // per_layer)))
+
+
+def stream_parts(block_bytes: int, num_layers: int) -> int:
+    """How many parts a streamed block goes in (the router's and the
+    simulator's model of what hides behind a step)."""
+    return -(-num_layers // layers_per_part(block_bytes, num_layers))
 
 
 @dataclass(frozen=True)

@@ -63,21 +63,13 @@ def _fmt(x, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
     return "-" if x is None else f"{x * scale:{spec}}{suffix}"
 
 
-def _gaps(m: dict) -> str:
-    """Handoff gaps over the median inter-token gap: 'p50 / max (n handoffs)'."""
-    if _num(m.get("handoff_gap_ratio")) is None:
+def _gaps(m: dict, ratio: str, count: str) -> str:
+    """Gaps over the median inter-token gap: 'p50 / max (n)'; `ratio` names
+    the summary's ratio (`handoff_gap_ratio`: at handoffs; `first_gap_ratio`:
+    before the second token, after a first one from P), `count` its count."""
+    if _num(m.get(ratio)) is None:
         return "-"
-    return (f"{_fmt(m.get('handoff_gap_ratio_p50'), '.1f')} / {_fmt(m['handoff_gap_ratio'], '.1f')}x"
-            f" ({m.get('num_handoffs', '?')})")
-
-
-def _first_gaps(m: dict) -> str:
-    """After a first token from P, the gap before the second over the median
-    inter-token gap: 'p50 / max (n requests)'."""
-    if _num(m.get("first_gap_ratio")) is None:
-        return "-"
-    return (f"{_fmt(m.get('first_gap_ratio_p50'), '.1f')} / {_fmt(m['first_gap_ratio'], '.1f')}x"
-            f" ({m.get('num_first_from_p', '?')})")
+    return f"{_fmt(m.get(ratio + '_p50'), '.1f')} / {_fmt(m[ratio], '.1f')}x ({m.get(count, '?')})"
 
 
 def _pct(x) -> str:
@@ -104,8 +96,8 @@ COLUMNS = [  # header, getter(mode name, mode summary) -> cell
     ("WAN MB", lambda n, m: _fmt(m["wan_bytes"], ".2f", 1e-6)),
     ("hit", lambda n, m: _fmt(m["prefix_hit_rate"], ".1f", 100, "%")),
     ("RLD tok", lambda n, m: _fmt(m["rld_token_share"], ".1f", 100, "%")),
-    ("gap/ITL p50 / max", lambda n, m: _gaps(m)),
-    ("P-first gap/ITL", lambda n, m: _first_gaps(m)),
+    ("gap/ITL p50 / max", lambda n, m: _gaps(m, "handoff_gap_ratio", "num_handoffs")),
+    ("P-first gap/ITL", lambda n, m: _gaps(m, "first_gap_ratio", "num_first_from_p")),
 ]
 
 

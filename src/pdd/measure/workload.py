@@ -73,9 +73,13 @@ def prompt_to_send(req: WorkloadRequest, parent: WorkloadRequest | None, parent_
         raise ValueError(f"{req.request_id}: answer_at {req.answer_at} is not where {parent.request_id}'s "
                          f"prompt ({parent.prompt_tokens} tokens) ends")
     end = req.answer_at + parent.max_tokens
-    answer = produced if produced is not None and len(produced) == parent.max_tokens \
-        else req.prompt_token_ids[req.answer_at:end]
+    answer = produced if answer_complete(parent, produced) else req.prompt_token_ids[req.answer_at:end]
     return list(parent_sent) + list(answer) + list(req.prompt_token_ids[end:])
+
+
+def answer_complete(parent: WorkloadRequest, produced: list[int] | None) -> bool:
+    """The parent's answer is known in full (its next turn quotes it)."""
+    return produced is not None and len(produced) == parent.max_tokens
 
 
 @dataclass

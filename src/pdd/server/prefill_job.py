@@ -204,7 +204,7 @@ class PrefillJob:
                 else:
                     break
                 lo = sent[i]
-                if upto >= num_layers and lo < num_layers or upto - lo >= step:
+                if upto == num_layers or upto - lo >= step:     # a block in `sent` has layers left
                     out.append((i, lo, upto, runner.read_block_layers(req.block_ids[i], lo, upto)))
             # Valid only if the request kept its blocks while we read them.
             if req.num_preemptions != gen or self.server.engine.requests.get(self.request_id) is not req:

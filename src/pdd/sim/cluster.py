@@ -45,7 +45,7 @@ from pdd.policy import (
     Role, choose_pipeline, note_decision, pick_instance, plan_warm,
 )
 from pdd.policy.lifecycle_io import Prefilled
-from pdd.engine.kv_codec import layers_per_part
+from pdd.engine.kv_codec import stream_parts
 from pdd.sim.cost_model import CostModel
 from pdd.sim.hardware import get_profile
 from pdd.sim.instance import Job, JobKind, Seq, SimInstance
@@ -146,8 +146,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         self.after_prefill: dict[str, list] = {}     # request id -> flows done before its prefill
         # ... and, layer by layer, a chunk's KV while the chunk computes: only
         # the last layer's slice of the last chunk is left at the end.
-        n = self.model.num_layers
-        parts = -(-n // layers_per_part(self.block_size * self.model.kv_bytes_per_token, n))
+        parts = stream_parts(self.block_size * self.model.kv_bytes_per_token, self.model.num_layers)
         self.kv_layer_slices = parts if self.stream_kv and sv.stream_kv_layers else 1
         for inst in self.instances.values():
             inst.streams_kv = self.stream_kv

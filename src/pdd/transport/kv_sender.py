@@ -277,7 +277,8 @@ class KVSender:
                                  finish, parts)
         finally:
             self._let_go(handle)
-            self._leave_line(handle.status)
+            if line is not None:
+                self._leave_line(line, handle.status)
 
     def _join_line(self, line: str, status: TransferStatus) -> None:
         members = self._on_line.setdefault(line, {})
@@ -287,11 +288,11 @@ class KVSender:
                 other.shared_line = True
         members[id(status)] = status
 
-    def _leave_line(self, status: TransferStatus) -> None:
-        for line, members in list(self._on_line.items()):
-            members.pop(id(status), None)
-            if not members:
-                del self._on_line[line]
+    def _leave_line(self, line: str, status: TransferStatus) -> None:
+        members = self._on_line.get(line, {})
+        members.pop(id(status), None)
+        if not members:
+            self._on_line.pop(line, None)
 
     def _let_go(self, handle: TransferHandle) -> None:
         if handle.holds_line is not None:
