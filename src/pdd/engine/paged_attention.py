@@ -308,6 +308,9 @@ class PagedAttention:
                 # K and V gathered separately: each lands in a contiguous prefix of its buffer
                 ks.append(torch.index_select(paged[0], 0, d.gather, out=kbuf[:m]).view(-1, KVH, D)[: d.gather_tokens])
                 vs.append(torch.index_select(paged[1], 0, d.gather, out=vbuf[:m]).view(-1, KVH, D)[: d.gather_tokens])
+            if qd.dtype is not torch.float32:
+                out[i] = _attend_pieces(qd[i], ks, vs).view(KVH, G, D)
+                continue
             # strided [KVH, D, n] / [KVH, n, D] views: BLAS takes the row stride as is
             s = torch.cat([torch.bmm(qg[i], k.permute(1, 2, 0)) for k in ks], -1).mul_(scale)  # [KVH, G, ctx]
             p = torch.softmax(s, -1)
@@ -321,3 +324,21 @@ class PagedAttention:
                     oi.baddbmm_(pj, v.transpose(0, 1))
                 a += v.shape[0]
         return out.view(B, H, D)
+
+
+def _attend_pieces(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """One decode's query q [H, D] over its context in pieces (k, v [n, KVH, D] each, token-major
+    strided views) -> [H, D]; for dtypes other than fp32. SDPA's CPU flash kernel reads the
+    strided views as they are, where `torch.bmm` in bf16 first copied each piece to a contiguous
+    transpose (4x the time at 1.3K tokens, measured); pieces are merged by their log-sum-exp."""
+    H, D = q.shape
+    q4 = q.view(1, H, 1, D)
+    parts = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q4, k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0), 0.0, False)[:2]
+        for k, v in zip(ks, vs)]
+    if len(parts) == 1:
+        return parts[0][0].view(H, D)
+    lse = torch.stack([p[1].view(H) for p in parts])                   # [pieces, H], fp32
+    w = torch.softmax(lse, 0).unsqueeze(-1)                            # each piece's share of the mass
+    o = torch.stack([p[0].view(H, D) for p in parts]).float()          # [pieces, H, D]
+    return (o * w).sum(0).to(q.dtype)
