@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from pdd.engine import bench
+from pdd.engine import bench, bench_sides
 
 
 def _positive(x) -> bool:
@@ -74,7 +74,7 @@ def test_bench_worker_times_our_engine_in_another_process(tiny_model_dir, tmp_pa
     script = str(Path(bench.__file__).with_name("bench_worker.py"))
     argv = [sys.executable, script, "--backend", "pdd", "--model", str(tiny_model_dir), "--dtype", "bfloat16",
             "--num-blocks", "64", "--max-num-batched-tokens", "512"]
-    w = bench.Worker(argv, dict(os.environ), tmp_path / "w.log", timeout_s=120)
+    w = bench_sides.Worker(argv, dict(os.environ), tmp_path / "w.log", timeout_s=120)
     try:
         assert _positive(w.startup_s) and w.version
         wall, cpu, _ = w.prefill(list(range(100, 140)))

@@ -17,7 +17,7 @@ goes to stderr.
 First line out: {"ready": true, "version": ..., "startup_s": ...}; a failed
 command answers {"error": "..."}.
 
-Both backends measure what `Ours` in pdd.engine.bench measures: prefill =
+Both backends measure what `Ours` in pdd.engine.bench_sides measures: prefill =
 the one step that prefills the prompt and samples its first token; decode =
 N requests prefilled in one step, then the steps from the first token to the
 last, timed.
@@ -96,7 +96,10 @@ class PddBackend:
         import torch
 
         import pdd
-        from pdd.engine.bench import Ours
+        try:
+            from pdd.engine.bench_sides import Ours
+        except ImportError:        # a --baseline-src checkout from before the split
+            from pdd.engine.bench import Ours
         from pdd.model.loader import load_model
 
         torch.set_num_threads(a.threads)
