@@ -489,7 +489,7 @@ def test_steps_of_a_shared_core_count_as_alone_when_no_neighbour_ran(tmp_path):
     ]
     rows[-1].pop("start_s")                                             # no clock: stays shared
     (d / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    from pdd.sim.calibration import load_records, read_records
+    from pdd.sim.calibration_steps import load_records, read_records
 
     # The fit takes the steps that ran alone (all three of them, nothing else).
     recs = load_records(read_records([tmp_path / "run"]))[1]

@@ -1,7 +1,7 @@
 """Fit the CPU profile to engine steps measured by `pdd bench`.
 
 Input: `steps.jsonl` files (one engine step a line, with its "instance"),
-each read with the `deploy.toml` saved beside it, which says how many threads
+each read with the `deploy.toml` saved beside it (`calibration_steps`), which says how many threads
 each instance ran, its role and which core it was pinned to. Steps are
 grouped by thread count and fitted with `cost_model.calibrate`, one
 `CostModel` per group. A step of an instance pinned to a core it shares
@@ -37,16 +37,13 @@ reads and `deployment.mode_from_spec` applies per instance and link.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import json
 import math
-import re
 import statistics
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pdd.sim.calibration_steps import load_records, read_records, role_group, transfer_rates
 from pdd.sim.cost_model import CostModel, StepShape, calibrate, row_bucket
 from pdd.sim.hardware import get_profile
 from pdd.sim.model_shape import ModelShape
@@ -54,16 +51,6 @@ from pdd.sim.model_shape import ModelShape
 FIELDS = ("mfu", "mbu", "overhead_s", "per_seq_s")
 # A role group needs this many steps alone on a core for a fit of its own.
 MIN_ROLE_RECORDS = 30
-
-
-def role_group(role: str) -> str:
-    """The calibration group of an instance role (deploy or policy spelling)."""
-    role = str(getattr(role, "value", role))
-    return role if role in ("prefill", "colocated") else "decode"
-
-_PROM = re.compile(r"^(?P<name>pdd_kv_sent_bytes_total|pdd_kv_transfer_seconds_sum)"
-                   r"\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$")
-_LINK = re.compile(r'link="([^"]+)"')
 
 
 @dataclass(frozen=True)
@@ -163,94 +150,6 @@ class CpuCalibration:
     @classmethod
     def read(cls, path: Path) -> "CpuCalibration":
         return cls.from_dict(json.loads(Path(path).read_text()))
-
-
-def step_files(paths: list[Path]) -> list[Path]:
-    """steps.jsonl files named directly or found under directories."""
-    out: list[Path] = []
-    for p in map(Path, paths):
-        out += sorted(p.rglob("steps.jsonl")) if p.is_dir() else [p]
-    if not out:
-        raise ValueError(f"no steps.jsonl under {[str(p) for p in paths]}")
-    return out
-
-
-def _instances(steps_path: Path) -> dict[str, tuple[int, bool, str, int | None]]:
-    """instance -> (engine threads, alone on its core, role group, core), from the deploy.toml beside it."""
-    deploy = steps_path.parent / "deploy.toml"
-    if not deploy.is_file():
-        return {}
-    from pdd.deploy.spec import load_spec
-
-    spec = load_spec(deploy)
-    cores = Counter(i.cpu for i in spec.instances if i.cpu is not None)
-    return {i.name: (i.engine.num_threads, i.cpu is None or cores[i.cpu] == 1, role_group(i.role), i.cpu)
-            for i in spec.instances}
-
-
-def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None]) -> None:
-    """A step of an instance that shares its core counts as alone when no
-    step of its neighbours overlapped it (by the steps' wall-clock starts);
-    one that did gains "overlap_s", the seconds its neighbours' steps ran
-    during it."""
-    spans: dict[int, list[tuple[float, float, str]]] = {}
-    for r in recs:
-        core = core_of.get(r["name"])
-        if core is not None and r.get("start_s"):
-            spans.setdefault(core, []).append((r["start_s"], r["start_s"] + r["wall_s"], r["name"]))
-    for core, items in spans.items():
-        items.sort()
-        undecided: dict[str, list[dict]] = {}     # per instance on this core
-        for r in recs:
-            if r["alone"] or core_of.get(r["name"]) != core or not r.get("start_s"):
-                continue
-            undecided.setdefault(r["name"], []).append(r)
-        for name, mine in undecided.items():
-            others = [(s, e) for s, e, n in items if n != name]     # sorted by start
-            starts = [s for s, _ in others]
-            latest_end = list(itertools.accumulate((e for _, e in others), max))
-            for r in mine:
-                a, b = r["start_s"], r["start_s"] + r["wall_s"]
-                j = bisect.bisect_left(starts, b)          # neighbours' steps starting before b
-                r["alone"] = j == 0 or latest_end[j - 1] <= a
-                overlap = 0.0
-                while j > 0 and latest_end[j - 1] > a:     # back to the first that ends after a
-                    j -= 1
-                    overlap += max(0.0, min(b, others[j][1]) - max(a, others[j][0]))
-                r["overlap_s"] = overlap
-
-
-def read_records(paths: list[Path]) -> list[dict]:
-    """Every step record under `paths`, each with "run" (its folder),
-    "instance" ("run/name"), "alone", "group" (its instance's role group)
-    and "threads"."""
-    out: list[dict] = []
-    for f in step_files(paths):
-        info = _instances(f)
-        tag = f.parent.name
-        recs = []
-        for line in f.read_text().splitlines():
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            name = rec.get("instance")
-            threads, solo, group, _ = info.get(name, (1, True, role_group(rec.get("role", "decode")), None))
-            rec.update(run=tag, name=name, instance=f"{tag}/{name}", alone=solo, group=group,
-                       threads=threads)
-            recs.append(rec)
-        _mark_unshared_steps(recs, {n: v[3] for n, v in info.items() if not v[1]})
-        out += recs
-    return out
-
-
-def load_records(recs: list[dict]) -> dict[int, list[dict]]:
-    """Step records (`read_records`) grouped by thread count, those of
-    shared-core instances that overlapped a neighbour only as a last resort."""
-    alone: dict[int, list[dict]] = {}
-    shared: dict[int, list[dict]] = {}
-    for rec in recs:
-        (alone if rec["alone"] else shared).setdefault(rec["threads"], []).append(rec)
-    return {t: alone.get(t) or shared[t] for t in sorted(set(alone) | set(shared))}
 
 
 def core_sharing(recs: list[dict], model_of) -> float | None:
@@ -496,25 +395,6 @@ def _fit_group(recs: list[dict], base: CostModel, drop_outliers: float) -> tuple
     jitter = 1.4826 * statistics.median(abs(x - mid) for x in logs)    # MAD -> sigma
     return ThreadFit(m.mfu, m.mbu, m.overhead_s, m.per_seq_s, cal.num_records, cal.rmse_s, cal.r2,
                      tuple(sorted({r["instance"] for r in recs})), min(jitter, 0.5)), m
-
-
-def transfer_rates(paths: list[Path]) -> dict[str, dict[str, float]]:
-    """{run: {link: bytes/s}} from the prefill instances' Prometheus text."""
-    totals: dict[str, dict[str, list[float]]] = {}
-    for f in step_files(paths):
-        for prom in sorted((f.parent / "metrics").glob("*.prom")):
-            for line in prom.read_text().splitlines():
-                m = _PROM.match(line)
-                if m is None or 'role="prefill"' not in m["labels"]:
-                    continue
-                link = _LINK.search(m["labels"])
-                if link is None:
-                    continue
-                k = 0 if m["name"] == "pdd_kv_sent_bytes_total" else 1
-                for run in (f.parent.name, "all"):
-                    totals.setdefault(run, {}).setdefault(link[1], [0.0, 0.0])[k] += float(m["value"])
-    return {run: {link: b / s for link, (b, s) in links.items() if b > 0 and s > 0}
-            for run, links in totals.items()}
 
 
 def apply(cost: CostModel, fit_: ThreadFit) -> CostModel:
