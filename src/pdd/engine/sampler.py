@@ -28,8 +28,7 @@ def _position_seed(seed: int, position: int) -> int:
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
     """logits: [N, V] fp32 or bf16 (each row upcast to float64 where sampled); positions: index
     of the token being sampled."""
-    # max's indices are argmax's (the first maximal entry), ~3x faster over a 49K vocab on CPU
-    out = logits.max(dim=-1).indices.tolist()
+    out = greedy(logits)
     for i, p in enumerate(params):
         if p.greedy:
             continue
@@ -41,6 +40,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         )
         out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
     return out
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """logits [N, V] -> the first maximal entry of each row (a NaN counts as maximal, as in torch.max).
+    fp32 goes through numpy's argmax, which is vectorised: over a 49K vocab 3.5 us a row against
+    27 for torch.max (97 vs 380 us at 16 rows), the same indices (first maximum, first NaN);
+    other dtypes (numpy has no bf16) take torch.max, whose indices are argmax's and ~3x faster."""
+    if logits.dtype == torch.float32 and logits.device.type == "cpu":
+        return logits.numpy().argmax(-1).tolist()
+    return logits.max(dim=-1).indices.tolist()
 
 
 def _distribution(row: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
