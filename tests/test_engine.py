@@ -60,6 +60,9 @@ def test_concurrent_requests_chunked_prefill_equal_each_alone(tiny_model):
     assert got == refs
     assert any(r.num_prefill_tokens and r.num_decode_tokens for r in eng.step_log), "no mixed step"
     assert eng.pool.num_used == 0
+    # the stats carry the last 16 steps that computed prompts, newest first (the router fits P's costs)
+    pre = [r for r in eng.step_log if r.num_prefill_tokens][::-1][:16]
+    assert eng.stats()["prefill_steps"] == [[r.num_prefill_tokens, round(r.wall_s, 6)] for r in pre]
 
 
 def test_prefix_reuse_gives_same_tokens(tiny_model):

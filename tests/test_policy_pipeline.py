@@ -255,6 +255,38 @@ def test_the_prefill_hides_a_streamed_transfer_but_not_its_last_chunk():
     assert wait_after_prefill(6.0, 4096, inst("p0", Role.PREFILL)) == 6.0
 
 
+def test_a_cold_prompt_computes_by_ps_step_and_token_costs_not_its_mean_rate():
+    """P's recent steps are warm turns' 52-token steps (0.15 s: mostly fixed
+    cost) and one cold prompt's 512-token chunk (0.43 s). Their mean rate
+    (~480 tok/s) would have a 1,471-token cold prompt compute for ~3 s and
+    hide all but ~0.4 s of a 3.4 s transfer behind it (a direct request, its
+    first token from P, then a 3.4 s stall: `results/heldout-agentic-15`,
+    a0000, whose prefill took 1.27 s); the fitted costs say ~1.25 s."""
+    from dataclasses import replace
+
+    from pdd.policy.pipeline import wait_after_prefill
+    from pdd.policy.views import fit_prefill_cost
+    steps = [(52, 0.15)] * 15 + [(512, 0.43)]
+    a, b = fit_prefill_cost(steps)
+    assert b == pytest.approx(0.28 / 460) and a == pytest.approx(0.15 - 52 * 0.28 / 460)
+    rate = sum(n for n, _ in steps) / sum(w for _, w in steps)
+    p = replace(inst("p0", Role.PREFILL), prefill_tokens_s=rate, chunk_tokens=512, kv_layer_slices=6)
+    assert wait_after_prefill(3.41, 1471, p) == pytest.approx(3.41 - 1471 / rate)
+    fitted = replace(p, prefill_step_s=a, prefill_token_s=b)
+    assert fitted.prefill_compute_s(1471) == pytest.approx(3 * a + 1471 * b) == pytest.approx(1.25, abs=0.01)
+    assert wait_after_prefill(3.41, 1471, fitted) == pytest.approx(3.41 - (3 * a + 1471 * b))
+    assert wait_after_prefill(3.41, 1471, p) < CFG.direct_max_wan_s < wait_after_prefill(3.41, 1471, fitted)
+
+
+def test_the_prefill_cost_fit_needs_two_step_sizes_and_a_positive_slope():
+    from pdd.policy.views import fit_prefill_cost
+    assert fit_prefill_cost([]) is None
+    assert fit_prefill_cost([(512, 0.4)] * 5) is None                  # one size: the mean rate decides
+    assert fit_prefill_cost([(100, 0.5), (500, 0.2)]) is None          # bigger steps faster: noise
+    # a negative intercept is refitted through the origin
+    assert fit_prefill_cost([(100, 0.05), (200, 0.2)]) == pytest.approx((0.0, 0.25 / 300))
+
+
 def test_a_queued_line_delays_a_background_copy_behind_every_byte_ahead():
     q = LinkEstimate(throughput_bytes_s=1e6, rtt_s=0.0, queued_bytes=2e6, queued_background_bytes=5e6)
     assert q.transfer_s(1e6) == pytest.approx(3.0)                    # behind the foreground bytes

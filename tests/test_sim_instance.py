@@ -186,3 +186,9 @@ def test_p_reports_its_prefill_rate_as_the_engine_does_tokens_over_time():
     assert len(walls) == 2
     assert i.prefill_tokens_s == pytest.approx(1500 / sum(walls))
     assert i.prefill_tokens_s != pytest.approx((1000 / walls[0] + 500 / walls[1]) / 2, rel=1e-3)
+    # ... and its step and token costs as the router fits them from the engine's steps
+    from pdd.policy.views import fit_prefill_cost
+    assert i.prefill_cost == pytest.approx(fit_prefill_cost([(1000, walls[0]), (500, walls[1])]))
+    v = i.view()
+    assert (v.prefill_step_s, v.prefill_token_s) == pytest.approx(i.prefill_cost)
+    assert i.prefill_time_s(1500) == pytest.approx(2 * v.prefill_step_s + 1500 * v.prefill_token_s)

@@ -332,6 +332,8 @@ class Engine:
             "num_steps": self.num_steps,
             "decode_step_s": self.recent_decode_step_s(),
             "prefill_tokens_s": self.recent_prefill_tokens_s(),
+            # those steps as [prompt tokens, wall s]: the router fits their step and token costs
+            "prefill_steps": [[n, round(w, 6)] for n, w in self._recent_prefill_steps()],
             # P streams a prompt's KV a few layers at a time as its steps compute it
             "kv_stream_slices": self.layout.stream_slices,
         }
@@ -351,21 +353,20 @@ class Engine:
         return sum(xs) / len(xs) if xs else None
 
 
-    def recent_prefill_tokens_s(self, window: int = 16) -> float | None:
-        """Prompt tokens per second of the last steps that computed prompts (the
-        policy's estimate of how long a prefill streams its KV)."""
-        tokens = wall = 0.0
-        n = 0
+    def _recent_prefill_steps(self, window: int = 16) -> list[tuple[int, float]]:
+        """(prompt tokens, wall s) of the last `window` steps that computed prompts."""
         try:
             recent = [self.step_log[-k] for k in range(1, min(len(self.step_log), 4 * window) + 1)]
         except IndexError:
-            return None
-        for r in recent:
-            if r.num_prefill_tokens > 0:
-                tokens, wall, n = tokens + r.num_prefill_tokens, wall + r.wall_s, n + 1
-                if n == window:
-                    break
-        return tokens / wall if wall > 0 else None
+            return []
+        return [(r.num_prefill_tokens, r.wall_s) for r in recent if r.num_prefill_tokens > 0][:window]
+
+    def recent_prefill_tokens_s(self, window: int = 16) -> float | None:
+        """Prompt tokens per second of the last steps that computed prompts (the
+        policy's estimate of how long a prefill streams its KV)."""
+        steps = self._recent_prefill_steps(window)
+        wall = sum(w for _, w in steps)
+        return sum(n for n, _ in steps) / wall if wall > 0 else None
 
 
 def status_reason(status: RequestStatus) -> str:

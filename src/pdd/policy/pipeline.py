@@ -105,12 +105,15 @@ def wait_after_prefill(est_wan_s: float, new_tokens: int, p: InstanceView) -> fl
     at the end is the last slice of the last chunk: a chunk's blocks whole
     (kv_layer_slices 1: a one-chunk prompt hides nothing), or its last layer
     (P sends layer by layer: even a warm turn's few new tokens hide all but
-    1/layers of their bytes). Without P's measured prefill rate or chunk size:
-    the whole estimate."""
-    rate, chunk = p.prefill_tokens_s, p.chunk_tokens
-    if not rate or rate <= 0 or chunk <= 0 or new_tokens <= 0 or not math.isfinite(est_wan_s):
+    1/layers of their bytes). How long P computes: its fitted step and token
+    costs (`InstanceView.prefill_compute_s`). Without P's measured prefill
+    speed or chunk size: the whole estimate."""
+    chunk = p.chunk_tokens
+    if chunk <= 0 or new_tokens <= 0 or not math.isfinite(est_wan_s):
         return est_wan_s
-    compute_s = new_tokens / rate
+    compute_s = p.prefill_compute_s(new_tokens)
+    if compute_s is None:
+        return est_wan_s
     tail_s = est_wan_s * min(chunk, new_tokens) / new_tokens / max(1, p.kv_layer_slices)
     return max(est_wan_s - compute_s, tail_s)
 

@@ -38,6 +38,13 @@ class InstanceView:
     # Recent prompt tokens per second of its prefill steps (P): how long a
     # prompt computes, i.e. how much of its transfer streams behind it.
     prefill_tokens_s: float | None = None
+    # The same steps as a fixed cost per step and a cost per prompt token
+    # (`fit_prefill_cost`); None without steps of different sizes. A step's
+    # fixed cost (the weights streamed once, the context's attention) makes a
+    # warm turn's 50-token step ~3x slower per token than a cold prompt's
+    # 512-token chunks, so the mean rate alone mispredicts a cold prompt.
+    prefill_step_s: float | None = None
+    prefill_token_s: float | None = None
     # Prompt tokens one engine step computes at most (its chunk); 0: unknown.
     chunk_tokens: int = 0
     # Slices a chunk's KV streams in while the chunk computes (P sends each
@@ -57,6 +64,19 @@ class InstanceView:
     def num_requests(self) -> int:
         return self.num_running + self.num_waiting
 
+    def prefill_compute_s(self, new_tokens: int) -> float | None:
+        """How long this P computes a prompt's `new_tokens`, in chunks of
+        `chunk_tokens`: from the fitted step and token costs where there are
+        some, else the mean rate; None when it has measured neither."""
+        if new_tokens <= 0:
+            return 0.0
+        if self.prefill_token_s is not None and self.prefill_token_s > 0 and self.chunk_tokens > 0:
+            steps = -(-new_tokens // self.chunk_tokens)
+            return steps * max(self.prefill_step_s or 0.0, 0.0) + new_tokens * self.prefill_token_s
+        if self.prefill_tokens_s and self.prefill_tokens_s > 0:
+            return new_tokens / self.prefill_tokens_s
+        return None
+
     @property
     def load_fraction(self) -> float:
         """Requests held per batch slot; above 1.0 the instance queues."""
@@ -67,6 +87,26 @@ class InstanceView:
         if self.kv_total_blocks == 0:
             return 1.0
         return 1.0 - self.kv_free_blocks / self.kv_total_blocks
+
+
+def fit_prefill_cost(steps: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """(seconds per step, seconds per prompt token) fitted by least squares to
+    (prompt tokens, seconds) of recent prefill steps, the engine's and the
+    simulator's alike; None without two step sizes or with a slope <= 0. A
+    negative intercept (noise) is refitted through the origin."""
+    pts = [(float(n), float(w)) for n, w in steps if n > 0 and w > 0]
+    if len({n for n, _ in pts}) < 2:
+        return None
+    mn = sum(n for n, _ in pts) / len(pts)
+    mw = sum(w for _, w in pts) / len(pts)
+    var = sum((n - mn) ** 2 for n, _ in pts)
+    slope = sum((n - mn) * (w - mw) for n, w in pts) / var
+    fixed = mw - slope * mn
+    if fixed < 0:
+        fixed, slope = 0.0, sum(w for _, w in pts) / sum(n for n, _ in pts)
+    if slope <= 0 or not math.isfinite(slope):
+        return None
+    return fixed, slope
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from pdd.policy import (
     ClusterView, InstanceView, LinkEstimator, PolicyConfig, PrefixReuseCounter, RelayBudgets,
 )
 from pdd.policy import Role as PolicyRole
+from pdd.policy.views import fit_prefill_cost
 from pdd.server.cache_index import CacheIndex
 from pdd.server.wire import InternalClient
 
@@ -100,9 +101,11 @@ class Cluster:
             if m.index is not None and isinstance(s.get("kv"), dict):
                 m.index.apply(s["kv"], now)
             m.send_backlog = (s.get("kv_send_backlog") or {}).get("wan", {})
+            cost = fit_prefill_cost([(int(n), float(w)) for n, w in s.get("prefill_steps") or ()])
             m.view = replace(m.view, num_running=int(s["num_running"]), num_waiting=int(s["num_waiting"]),
                              kv_free_blocks=int(s["kv_free_blocks"]), kv_total_blocks=int(s["kv_total_blocks"]),
                              step_time_s=s.get("decode_step_s"), prefill_tokens_s=s.get("prefill_tokens_s"),
+                             prefill_step_s=cost[0] if cost else None, prefill_token_s=cost[1] if cost else None,
                              kv_layer_slices=int(s.get("kv_stream_slices") or 1))
 
         await asyncio.gather(*(one(m) for m in self.members.values()))

@@ -339,7 +339,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         if chunks:
             for job, _ in chunks:
                 if job.kind is JobKind.PREFILL and job.req.streamed and job.done < job.num_tokens:
-                    evs += self._prefill_progress(job.req, job, inst.prefill_tokens_s, now)
+                    evs += self._prefill_progress(job.req, job, inst.prefill_time_s(job.num_tokens - job.done), now)
         inst.at_boundary = True
         try:
             for fn in due:
@@ -399,9 +399,10 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         if p.role is not Role.PREFILL or req.lc is None or req.streamed:
             return []
         req.streamed = True
-        if self.kv_layer_slices > 1 and p.prefill_tokens_s:
+        made_s = p.prefill_time_s(job.num_tokens) if self.kv_layer_slices > 1 else None
+        if made_s:
             # Layer by layer, its KV crosses no faster than P makes it.
-            req.kv_made_by_s = now + job.num_tokens / p.prefill_tokens_s
+            req.kv_made_by_s = now + made_s
         return [e for t in req.targets if not t.warm_blocks for e in self._send(req, t, now)]
 
 

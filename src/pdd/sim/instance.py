@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pdd.policy import InstanceView, Role
+from pdd.policy.views import fit_prefill_cost
 from pdd.sim.cost_model import CostModel, chunk_pairs, row_bucket
 from pdd.sim.prefix_cache import PrefixCache
 from pdd.sim.request import SimRequest
@@ -128,6 +129,7 @@ class SimInstance:
         self.at_boundary = False             # between two steps, running what waited for it
         self.step_time_s: float | None = None
         self.prefill_tokens_s: float | None = None   # measured as the engine does (stats)
+        self.prefill_cost: tuple[float, float] | None = None   # ... and fitted as the router does
         # (prompt tokens, seconds) of the last steps that computed prompts: the
         # engine's `recent_prefill_tokens_s` is their tokens over their time
         self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=16)
@@ -202,6 +204,11 @@ class SimInstance:
     def add_seq(self, seq: Seq) -> None:
         self.waiting.append(seq)
 
+    def prefill_time_s(self, num_tokens: int) -> float | None:
+        """How long this P takes for `num_tokens` more prompt tokens, by what it
+        has measured (the view's `prefill_compute_s`, as the router judges it)."""
+        return self.view().prefill_compute_s(num_tokens)
+
     def view(self) -> InstanceView:
         started = sum(1 for j in self.jobs if j.started)
         return InstanceView(
@@ -211,6 +218,8 @@ class SimInstance:
             max_batch=self.max_batch, kv_free_blocks=self.free_blocks,
             kv_total_blocks=self.kv_blocks, step_time_s=self.step_time_s,
             prefill_tokens_s=self.prefill_tokens_s, chunk_tokens=self.token_budget if self.streams_kv else 0,
+            prefill_step_s=self.prefill_cost[0] if self.prefill_cost else None,
+            prefill_token_s=self.prefill_cost[1] if self.prefill_cost else None,
             kv_layer_slices=self.kv_layer_slices)
 
     # --- stepping ---------------------------------------------------------
@@ -404,6 +413,7 @@ class SimInstance:
             self._prefill_steps.append((n_pre, now - self._start))
             self.prefill_tokens_s = (sum(n for n, _ in self._prefill_steps)
                                      / sum(w for _, w in self._prefill_steps))
+            self.prefill_cost = fit_prefill_cost(list(self._prefill_steps))
         if self._batch:
             if not self._chunks:
                 per = (now - self._start) / k

@@ -178,12 +178,12 @@ class TransfersMixin:
             evs += self._arrive(flow.flow_id, flow.num_bytes, name, ev.time)
         return evs
 
-    def _prefill_progress(self, req: SimRequest, job, rate_tokens_s: float | None, now: float) -> list[Event]:
+    def _prefill_progress(self, req: SimRequest, job, left_s: float | None, now: float) -> list[Event]:
         """A step of P's prefill ended: the streamed copies may carry what it has
-        made so far, and the rest at P's measured pace."""
+        made so far, and the rest at P's measured pace (`left_s`: P's estimate
+        of the time its remaining tokens take)."""
         evs: list[Event] = []
         frac = min(job.done / max(job.num_tokens, 1), 1.0)
-        left_s = (job.num_tokens - job.done) / rate_tokens_s if rate_tokens_s else None
         for fid, entry in self.flows.items():
             if entry[0] is not req or fid not in self.links[entry[5]].flows:
                 continue
