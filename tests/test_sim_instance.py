@@ -175,7 +175,7 @@ def test_a_fresh_sequence_recomputes_its_partial_block_in_its_first_step():
 def test_p_reports_its_prefill_rate_as_the_engine_does_tokens_over_time():
     """A 1,500-token prompt in chunks of 1,000 and 500: the rate P reports is
     1,500 tokens over the two steps' time (the engine's
-    `recent_prefill_tokens_s`), not the mean of the two steps' rates."""
+    stats' `prefill_tokens_s`), not the mean of the two steps' rates."""
     i = inst(budget=1000)
     i.add_job(Job(req("a", 1500), JobKind.PREFILL, 1500, 0, 94))
     now, walls = 0.0, []

@@ -308,6 +308,7 @@ class Engine:
     # -- stats ---------------------------------------------------------------
     def stats(self) -> dict:
         sch = self.scheduler
+        prefill = self._recent_prefill_steps()
         return {
             "num_running": len(sch.running),
             "num_waiting": len(sch.waiting),
@@ -331,9 +332,9 @@ class Engine:
             "num_evictions": self.pool.num_evictions,
             "num_steps": self.num_steps,
             "decode_step_s": self.recent_decode_step_s(),
-            "prefill_tokens_s": self.recent_prefill_tokens_s(),
+            "prefill_tokens_s": _tokens_per_s(prefill),
             # those steps as [prompt tokens, wall s]: the router fits their step and token costs
-            "prefill_steps": [[n, round(w, 6)] for n, w in self._recent_prefill_steps()],
+            "prefill_steps": [[n, round(w, 6)] for n, w in prefill],
             # P streams a prompt's KV a few layers at a time as its steps compute it
             "kv_stream_slices": self.layout.stream_slices,
         }
@@ -352,7 +353,6 @@ class Engine:
                     break
         return sum(xs) / len(xs) if xs else None
 
-
     def _recent_prefill_steps(self, window: int = 16) -> list[tuple[int, float]]:
         """(prompt tokens, wall s) of the last `window` steps that computed prompts."""
         try:
@@ -361,12 +361,13 @@ class Engine:
             return []
         return [(r.num_prefill_tokens, r.wall_s) for r in recent if r.num_prefill_tokens > 0][:window]
 
-    def recent_prefill_tokens_s(self, window: int = 16) -> float | None:
-        """Prompt tokens per second of the last steps that computed prompts (the
-        policy's estimate of how long a prefill streams its KV)."""
-        steps = self._recent_prefill_steps(window)
-        wall = sum(w for _, w in steps)
-        return sum(n for n, _ in steps) / wall if wall > 0 else None
+
+def _tokens_per_s(steps: list[tuple[int, float]]) -> float | None:
+    """(prompt tokens, wall s) per step -> their tokens over their time: the
+    prefill rate the stats report (the policy's estimate of how long a
+    prefill streams its KV where P's step costs cannot be fitted)."""
+    wall = sum(w for _, w in steps)
+    return sum(n for n, _ in steps) / wall if wall > 0 else None
 
 
 def status_reason(status: RequestStatus) -> str:

@@ -65,17 +65,9 @@ class InstanceView:
         return self.num_running + self.num_waiting
 
     def prefill_compute_s(self, new_tokens: int) -> float | None:
-        """How long this P computes a prompt's `new_tokens`, in chunks of
-        `chunk_tokens`: from the fitted step and token costs where there are
-        some, else the mean rate; None when it has measured neither."""
-        if new_tokens <= 0:
-            return 0.0
-        if self.prefill_token_s is not None and self.prefill_token_s > 0 and self.chunk_tokens > 0:
-            steps = -(-new_tokens // self.chunk_tokens)
-            return steps * max(self.prefill_step_s or 0.0, 0.0) + new_tokens * self.prefill_token_s
-        if self.prefill_tokens_s and self.prefill_tokens_s > 0:
-            return new_tokens / self.prefill_tokens_s
-        return None
+        """How long this P computes a prompt's `new_tokens` (`prefill_compute_s`)."""
+        return prefill_compute_s(new_tokens, self.chunk_tokens, self.prefill_step_s, self.prefill_token_s,
+                                 self.prefill_tokens_s)
 
     @property
     def load_fraction(self) -> float:
@@ -87,6 +79,21 @@ class InstanceView:
         if self.kv_total_blocks == 0:
             return 1.0
         return 1.0 - self.kv_free_blocks / self.kv_total_blocks
+
+
+def prefill_compute_s(new_tokens: int, chunk_tokens: int, step_s: float | None, token_s: float | None,
+                      tokens_s: float | None) -> float | None:
+    """How long a P computes `new_tokens` prompt tokens in chunks of
+    `chunk_tokens`: from its fitted step and token costs (`fit_prefill_cost`)
+    where it has some, else its mean rate `tokens_s`; None when it has
+    measured neither."""
+    if new_tokens <= 0:
+        return 0.0
+    if token_s is not None and token_s > 0 and chunk_tokens > 0:
+        return -(-new_tokens // chunk_tokens) * max(step_s or 0.0, 0.0) + new_tokens * token_s
+    if tokens_s and tokens_s > 0:
+        return new_tokens / tokens_s
+    return None
 
 
 def fit_prefill_cost(steps: list[tuple[int, float]]) -> tuple[float, float] | None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pdd.policy import InstanceView, Role
-from pdd.policy.views import fit_prefill_cost
+from pdd.policy.views import fit_prefill_cost, prefill_compute_s
 from pdd.sim.cost_model import CostModel, chunk_pairs, row_bucket
 from pdd.sim.prefix_cache import PrefixCache
 from pdd.sim.request import SimRequest
@@ -131,7 +131,7 @@ class SimInstance:
         self.prefill_tokens_s: float | None = None   # measured as the engine does (stats)
         self.prefill_cost: tuple[float, float] | None = None   # ... and fitted as the router does
         # (prompt tokens, seconds) of the last steps that computed prompts: the
-        # engine's `recent_prefill_tokens_s` is their tokens over their time
+        # engine's stats (`prefill_tokens_s`) are their tokens over their time
         self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=16)
         self.streams_kv = False      # P sends blocks while it computes (set by the cluster)
         self.kv_layer_slices = 1     # ... and a chunk's KV layer by layer (the model's layers; set by the cluster)
@@ -206,8 +206,10 @@ class SimInstance:
 
     def prefill_time_s(self, num_tokens: int) -> float | None:
         """How long this P takes for `num_tokens` more prompt tokens, by what it
-        has measured (the view's `prefill_compute_s`, as the router judges it)."""
-        return self.view().prefill_compute_s(num_tokens)
+        has measured (as the router judges it from the view, `prefill_compute_s`)."""
+        step_s, token_s = self.prefill_cost or (None, None)
+        return prefill_compute_s(num_tokens, self.token_budget if self.streams_kv else 0, step_s, token_s,
+                                 self.prefill_tokens_s)
 
     def view(self) -> InstanceView:
         started = sum(1 for j in self.jobs if j.started)
