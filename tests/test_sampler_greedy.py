@@ -1,4 +1,4 @@
-"""The greedy pick (`sampler.greedy`: numpy's argmax for fp32) against torch.max's indices."""
+"""The greedy pick (`sampler.greedy`: numpy's argmax over fp32, bf16 and fp16 upcast) against torch.max's indices."""
 
 import torch
 
@@ -17,5 +17,6 @@ def test_greedy_matches_torch_max_on_ties_nans_and_infinities():
     x[5, 3] = -0.0
     assert greedy(x) == x.max(dim=-1).indices.tolist()
     assert greedy(x)[1:3] == [10, 5]
-    assert greedy(x.to(torch.bfloat16)) == x.to(torch.bfloat16).max(dim=-1).indices.tolist()
+    for low in (torch.bfloat16, torch.float16):   # upcast to fp32 first: exact, so the same picks
+        assert greedy(x.to(low)) == x.to(low).max(dim=-1).indices.tolist()
     assert greedy(x[:, ::2]) == x[:, ::2].max(dim=-1).indices.tolist()   # strided rows

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from pdd.sim.link import Link
@@ -153,6 +155,30 @@ def test_a_new_transfer_waits_for_what_a_yielding_copy_has_on_the_line():
     assert ends(1000.0) == {"copy": pytest.approx(2.0), "user": pytest.approx(2.5)}
 
 
+def test_a_paced_copy_goes_at_its_pace_and_leaves_nothing_ahead_of_a_new_transfer():
+    # P's sender paces the copies that yield the line (`copy_pace`): alone,
+    # a copy goes at the pace, not the line's rate; and since the line drains
+    # faster than it is fed, a transfer a user waits on finds no buffered
+    # bytes of it ahead (against test_a_new_transfer_waits_for_...: 1.8 s).
+    link = Link("l", 100.0, 0.0, buffer_bytes=30.0, background_pace_bytes_s=80.0)
+    link.add(0.0, "copy", 200, background=True)
+    done = {}
+    nxt = link.add(1.0, "user", 50)                  # the copy has 120 bytes left
+    while nxt:
+        flows, nxt2 = link.complete(*nxt)
+        done.update({f.flow_id: nxt[0] for f in flows})
+        nxt = nxt2
+    assert done == {"user": pytest.approx(1.5), "copy": pytest.approx(3.0)}
+    # two paced copies together still go at the pace (one at a time)
+    link = Link("l", 100.0, 0.0, background_pace_bytes_s=80.0)
+    link.add(0.0, "a", 80, background=True)
+    assert drain(link, link.add(0.0, "b", 160, background=True)) == {"a": pytest.approx(1.0),
+                                                                      "b": pytest.approx(3.0)}
+    assert link.remaining_s("none", 3.0) == 0.0
+    with pytest.raises(ValueError):
+        Link("l", 100.0, 0.0, background_pace_bytes_s=0.0)
+
+
 def test_a_flow_knows_whether_it_shared_the_line():
     link = Link("wan", 1e6, 0.0)
     link.add(0.0, "a", 1e6)
@@ -161,3 +187,21 @@ def test_a_flow_knows_whether_it_shared_the_line():
     link.add(2.0, "b", 1e6)
     link.add(2.5, "c", 1e5)
     assert link.flows["b"].shared and link.flows["c"].shared
+
+
+def test_the_copy_pace_is_the_lines_rate_shared_by_its_senders():
+    from pdd.deploy.spec import load_spec
+    from pdd.deploy.topology import copy_pace
+    from pdd.policy.config import PolicyConfig
+    from pdd.policy.line_order import copy_pace_bytes_s
+
+    assert copy_pace_bytes_s(7.5e6, 1, 0.95) == pytest.approx(7.125e6)
+    assert copy_pace_bytes_s(7.5e6, 2, 0.95) == pytest.approx(3.5625e6)
+    assert copy_pace_bytes_s(7.5e6, 1, 0.0) is None          # off
+    assert copy_pace_bytes_s(None, 1, 0.95) is None          # a line of unknown rate
+    with pytest.raises(ValueError):
+        PolicyConfig(copy_pace=1.5)
+    # the servers' senders and the simulator read it off the deployment: 60 Mbit/s, one P
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    assert copy_pace(load_spec(examples / "pdd.toml")) == {"wan": pytest.approx(0.95 * 7.5e6)}
+    assert copy_pace(load_spec(examples / "pd-local.toml")) == {}

@@ -208,3 +208,39 @@ def test_simulated_line_gives_background_flows_nothing_while_foreground_flows_ru
     done, _ = link.complete(*nxt)
     assert [f.flow_id for f in done] == ["copy"] and nxt[0] == pytest.approx(2.5)
     assert done[0].yielded_s == pytest.approx(0.5)
+
+
+async def warm_turn_behind_a_copy(pace: float | None):
+    """A 6 MB copy that yields starts on a 4 MB/s line (10 ms one way); 0.6 s
+    later a one-block transfer a user waits for. Returns both statuses."""
+    receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, Sink())
+    link = WanLink(rate_bytes_s=4e6, latency_s=0.01, jitter_s=0)
+    sender = KVSender(SECRET, paces={"wan": pace} if pace else None)
+    try:
+        port = await link.add_mapping(0, "127.0.0.1", receiver.port)
+        big, big_h = blocks(24, 256 * 1024, 5)
+        small, small_h = blocks(1, 256 * 1024, 6)
+        bg = sender.send("127.0.0.1", port, "copy", {}, big_h, big, 30, line="wan", background=True)
+        await asyncio.sleep(0.6)
+        fg = sender.send("127.0.0.1", port, "warm", {}, small_h, small, 30, line="wan")
+        return await bg.wait(), await fg.wait()
+    finally:
+        await sender.close()
+        await link.close()
+        await receiver.close()
+
+
+def test_a_paced_copy_leaves_the_buffers_ahead_of_the_line_empty():
+    """Unpaced, the copy fills the relay's queue (>= 1 MiB: 0.26 s of this line)
+    and the sockets' buffers, and the warm transfer's BEGIN waits behind them (half to all
+    of that queue) before HAVE can come back; paced below the line's rate, it meets a free line."""
+    bg, fg = asyncio.run(asyncio.wait_for(warm_turn_behind_a_copy(None), 30))
+    assert bg.ok and fg.ok
+    assert fg.handshake_s > 0.12, fg.handshake_s      # six round trips
+    bg, fg = asyncio.run(asyncio.wait_for(warm_turn_behind_a_copy(3.6e6), 30))
+    assert bg.ok and fg.ok
+    assert fg.handshake_s < 0.1, fg.handshake_s        # one round trip (20 ms) and a slice
+    assert fg.finished_s < bg.finished_s
+    # the copy went at about its pace, not faster (it also yielded to the warm one)
+    rate = bg.payload_bytes / (bg.finished_s - bg.started_s)
+    assert 0.7 * 3.6e6 < rate < 1.02 * 3.6e6, rate

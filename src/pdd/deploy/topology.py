@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdd.deploy.spec import DeploymentSpec, InstanceSpec, LinkSpec
+from pdd.deploy.spec import DeploymentSpec, InstanceSpec, LinkSpec, Role
 
 
 @dataclass(frozen=True)
@@ -42,3 +42,20 @@ def relay_mappings(spec: DeploymentSpec, link: LinkSpec) -> list[tuple[int, str,
         out.append((link.relay_port_base + 2 * k, inst.host, inst.port))
         out.append((link.relay_port_base + 2 * k + 1, inst.host, inst.kv_port))
     return out
+
+
+def copy_pace(spec: DeploymentSpec) -> dict[str, float]:
+    """Per line label, the rate at which each P writes the copies that yield
+    that line (`pdd.policy.line_order.copy_pace_bytes_s`): the WAN's rate
+    (there is one WAN line, "wan") shared by the deployment's prefill
+    instances. Empty: nothing is paced. The servers' senders and the
+    simulator's line take it from here."""
+    from pdd.policy.config import PolicyConfig
+    from pdd.policy.line_order import copy_pace_bytes_s
+
+    if not spec.links:
+        return {}
+    senders = sum(1 for i in spec.instances if i.role == Role.PREFILL)
+    pace = copy_pace_bytes_s(spec.links[0].bandwidth_mbps * 125_000, senders,
+                             PolicyConfig.from_dict(spec.policy).copy_pace)
+    return {} if pace is None else {"wan": pace}

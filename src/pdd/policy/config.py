@@ -54,6 +54,14 @@ class PolicyConfig:
     # 53 s at 30 Mbit/s (p99 84 -> 80 s) and from 114 to 147 s at twice P's
     # capacity (docs/DESIGN.md, known limits).
     copy_max_yield_s: float = math.inf
+    # P's senders pace the copies that yield the line at this fraction of
+    # its rate (`line_order.copy_pace_bytes_s`; 0: as fast as TCP takes
+    # them). Unpaced, a yielding copy keeps the buffers ahead of the line
+    # full (the relay's queue and the sockets': ~1-2 MB, 0.13-0.27 s at
+    # 60 Mbit/s), and a warm turn's HAVE handshake and its few blocks wait
+    # behind them (`results/wan-bound-22`: handshakes 0.17 s median, up to
+    # 0.32, on a shared line against 0.046 alone).
+    copy_pace: float = 0.95
 
     # --- routing score: saved prefill tokens - load penalty (in tokens) ---
     # One running request costs roughly a decode slot; a queued one delays
@@ -123,6 +131,8 @@ class PolicyConfig:
             raise ValueError("first_token_max_stall_s must be >= 0")
         if not self.copy_max_yield_s > 0:
             raise ValueError("copy_max_yield_s must be > 0")
+        if not 0.0 <= self.copy_pace <= 1.0:
+            raise ValueError("copy_pace must be in [0, 1]")
         for name in ("penalty_tokens_per_running", "penalty_tokens_per_waiting",
                      "penalty_tokens_kv_full"):
             if getattr(self, name) < 0:

@@ -20,6 +20,13 @@ limits).
 
 Pure: `now` is passed in. The servers' sender (`transport.priority.LineGate`)
 and the simulator's link (`sim.link.Link`) order their copies by this key.
+
+Yielding copies are also paced (`copy_pace_bytes_s`): a copy written as
+fast as TCP takes it fills every buffer ahead of the line, and whatever
+enters the line after it (a warm turn's BEGIN, its HAVE round trip, its one
+block) queues behind those bytes even though the copy yields. Written a
+little below the line's rate, a copy leaves those buffers empty, and a
+transfer a user waits on meets a line that is free within one slice.
 """
 
 from __future__ import annotations
@@ -44,3 +51,13 @@ def aged(started_s: float, now: float, max_yield_s: float) -> bool:
 def ages_at(started_s: float, max_yield_s: float) -> float:
     """When a copy started at `started_s` reaches the bound (inf: never)."""
     return started_s + max_yield_s if math.isfinite(max_yield_s) else math.inf
+
+
+def copy_pace_bytes_s(line_bytes_s: float | None, num_senders: int, pace: float) -> float | None:
+    """The rate at which one sender writes the copies that yield a line:
+    `pace` (`PolicyConfig.copy_pace`) of the line's rate, split evenly among
+    the senders that share it (each P sends its own copies, one at a time);
+    None: unpaced (no pace, or a line of unknown rate)."""
+    if pace <= 0 or not line_bytes_s or line_bytes_s <= 0 or not math.isfinite(line_bytes_s):
+        return None
+    return pace * line_bytes_s / max(num_senders, 1)

@@ -25,6 +25,7 @@ from pathlib import Path
 from aiohttp import web
 
 from pdd.deploy.spec import ROUTER_CERT_NAME, DeploymentSpec, InstanceSpec, Role
+from pdd.deploy.topology import copy_pace
 from pdd.engine.engine import Engine, InvalidRequestError
 from pdd.engine.hashing import hash_blocks
 from pdd.engine.request import EngineRequest
@@ -114,7 +115,8 @@ class InstanceServer:
             peers = tls.kv_peers(spec, inst, self._tls_files()) if tls.uses_tls(spec) else {}
             self.sender = KVSender(self.keys.kv, tls=lambda host, port: peers.get((host, port)), seal_blocks=True,
                                    stall_timeout_s=spec.kv_stall_s, keepalive_s=spec.kv_keepalive_s,
-                                   max_yield_s=PolicyConfig.from_dict(spec.policy).copy_max_yield_s)
+                                   max_yield_s=PolicyConfig.from_dict(spec.policy).copy_max_yield_s,
+                                   paces=copy_pace(spec))
         runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
         http_tls = None

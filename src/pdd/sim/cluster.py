@@ -45,6 +45,7 @@ from pdd.policy import (
     Role, choose_pipeline, note_decision, pick_instance, plan_warm,
 )
 from pdd.policy.lifecycle_io import Prefilled
+from pdd.policy.line_order import copy_pace_bytes_s
 from pdd.engine.kv_codec import stream_parts
 from pdd.sim.cost_model import CostModel
 from pdd.sim.hardware import get_profile
@@ -102,10 +103,14 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         self.links = {f"rdma-{dc}": Link(f"rdma-{dc}", mode.rdma.bandwidth_bytes_s, mode.rdma.rtt_s,
                                          _bytes(mode.rdma.max_flow_gbps), max_yield_s=bound) for dc in dcs}
         if mode.wan is not None:
+            # P's senders pace their yielding copies on the line (`deploy.topology.copy_pace`)
+            senders = sum(1 for i in self.instances.values() if i.role is Role.PREFILL)
             self.links["wan"] = Link("wan", mode.wan.bandwidth_bytes_s, mode.wan.rtt_s,
                                      _bytes(mode.wan.max_flow_gbps), max_yield_s=bound,
                                      buffer_bytes=mode.wan.buffer_bytes,
-                                     yield_leak_bytes=mode.wan.yield_leak_bytes)
+                                     yield_leak_bytes=mode.wan.yield_leak_bytes,
+                                     background_pace_bytes_s=copy_pace_bytes_s(
+                                         mode.wan.bandwidth_bytes_s, senders, self.cfg.copy_pace))
         self.estimators = {name: LinkEstimator.from_line(l.bandwidth_bytes_s * 8, l.rtt_s / 2)
                            for name, l in self.links.items()}
         md_dc = next((i.datacenter for i in self.instances.values() if i.role in DECODERS), None)

@@ -43,6 +43,11 @@ P has made of it) before sharing resumes; a background one keeps it for
 sockets' buffers still hold that much of it) before it yields. 0: a new
 flow gets its share, or its priority, at once.
 
+Background flows may be paced (`background_pace_bytes_s`, all of them
+together, as P's sender paces its yielding copies: `pdd.policy.line_order`):
+held below the line's rate, their sender keeps no bytes in the buffers
+ahead of the line, so they have no lead when a foreground flow starts.
+
 A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow;
 the caller delays `add` by `rtt_s`, which keeps this class about bandwidth
 only.
@@ -75,7 +80,7 @@ class Link:
     def __init__(self, name: str, bandwidth_bytes_s: float, rtt_s: float,
                  max_flow_bytes_s: float | None = None, shared_efficiency: float = 1.0,
                  max_yield_s: float = math.inf, buffer_bytes: float = 0.0,
-                 yield_leak_bytes: float | None = None) -> None:
+                 yield_leak_bytes: float | None = None, background_pace_bytes_s: float | None = None) -> None:
         if bandwidth_bytes_s <= 0 or rtt_s < 0:
             raise ValueError(f"{name}: bandwidth must be > 0 and rtt >= 0")
         self.name = name
@@ -94,6 +99,9 @@ class Link:
         self.yield_leak_bytes = buffer_bytes if yield_leak_bytes is None else yield_leak_bytes
         if self.yield_leak_bytes < 0:
             raise ValueError(f"{name}: yield_leak_bytes must be >= 0")
+        if background_pace_bytes_s is not None and not background_pace_bytes_s > 0:
+            raise ValueError(f"{name}: background_pace_bytes_s must be > 0 (None: unpaced)")
+        self.background_pace_bytes_s = background_pace_bytes_s or math.inf
         self.flows: dict[str, Flow] = {}
         self.version = 0
         self.up = True
@@ -168,11 +176,13 @@ class Link:
                 rates[g.flow_id] = share
             left = 0.0
             break
+        left_bg = self.background_pace_bytes_s
         for f in bg:
-            if left <= 1e-9:
+            if min(left, left_bg) <= 1e-9:
                 break
-            rates[f.flow_id] = min(cap[f.flow_id], left, self.max_flow_bytes_s)
+            rates[f.flow_id] = min(cap[f.flow_id], left, left_bg, self.max_flow_bytes_s)
             left -= rates[f.flow_id]
+            left_bg -= rates[f.flow_id]
         return rates
 
     def _advance(self, now: float) -> None:
@@ -243,6 +253,8 @@ class Link:
                 continue
             if f.cap_bytes_s != math.inf and rate >= f.cap_bytes_s * (1 - 1e-9) and not self._behind(f):
                 continue
+            if f.background and self.background_pace_bytes_s != math.inf:
+                continue                    # paced: nothing of it waits ahead of the line
             sent = f.num_bytes - f.remaining
             made = self._made(f) - sent if f.cap_bytes_s != math.inf else f.remaining
             ahead = self.yield_leak_bytes if f.background else self.buffer_bytes
@@ -322,6 +334,7 @@ class Link:
             return f.remaining / rate
         # Behind the foreground flows and the background ones before it.
         mine = self._order(f)
-        ahead = sum(g.remaining for g in self.flows.values()
-                    if not g.background or (g is not f and self._order(g) < mine))
-        return (ahead + f.remaining) / min(self.bandwidth_bytes_s, self.max_flow_bytes_s)
+        fg = sum(g.remaining for g in self.flows.values() if not g.background)
+        bg = sum(g.remaining for g in self.flows.values() if g.background and g is not f and self._order(g) < mine)
+        line = min(self.bandwidth_bytes_s, self.max_flow_bytes_s)
+        return fg / line + (bg + f.remaining) / min(line, self.background_pace_bytes_s)

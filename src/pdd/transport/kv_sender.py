@@ -88,12 +88,15 @@ class KVSender:
                  max_handshakes_per_peer: int = MAX_HANDSHAKES_PER_PEER,
                  tls: TlsResolver | None = None, seal_blocks: bool = False,
                  keepalive_s: float = DEFAULT_KEEPALIVE_S, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-                 max_yield_s: float = math.inf):
+                 max_yield_s: float = math.inf, paces: dict[str, float] | None = None):
         """tls: which peers speak TLS and the name each must prove. seal_blocks:
         each BLOCK carries the SHA-256 of its bytes (kv_codec.seal_block), taken
         as get_block returns them, for the receiver to check at import.
         max_yield_s: a background copy waiting this long since it started goes
-        before younger ones (`LineGate`, the policy's `copy_max_yield_s`)."""
+        before younger ones (`LineGate`, the policy's `copy_max_yield_s`).
+        paces: bytes/s per line at which background copies are written, all of
+        them together (`pdd.deploy.topology.copy_pace`); a line not named: as
+        fast as TCP takes them."""
         self.seal_blocks = seal_blocks
         self.max_frame_bytes = max_frame_bytes
         self.keepalive_s = keepalive_s
@@ -104,6 +107,8 @@ class KVSender:
                                    max_frame_bytes=max_frame_bytes, max_handshakes_per_peer=max_handshakes_per_peer)
         self._active: set[TransferHandle] = set()
         self.gate = LineGate(max_yield_s)
+        self.paces = {k: float(v) for k, v in (paces or {}).items() if v and v > 0}
+        self._paced_until: dict[str, float] = {}   # line -> when its next background slice may go
         # Transfers waiting for HAVE, per receiver, with their block hashes: a
         # receiver holds HAVE back while another transfer brings it the same
         # blocks, so a background copy that carries blocks a waiting transfer
@@ -209,10 +214,22 @@ class KVSender:
         inside it); a background one (a slice of at most SLICE_BYTES) after
         the foreground transfers on the line are through, in its turn."""
         held = line is not None and background and not self._awaited(dest, last_hash)
+        pace = self.paces.get(line) if held else None
         if held:
             left = status.num_blocks - status.num_blocks_skipped - status.num_blocks_sent + 1
-            status.yielded_s += await self.gate.turn(line, id(status), left, status.started_s)
+            while True:
+                if pace is not None:
+                    await asyncio.sleep(max(0.0, self._paced_until.get(line, 0.0) - time.monotonic()))
+                status.yielded_s += await self.gate.turn(line, id(status), left, status.started_s)
+                # another copy may have written a slice while this one waited for its turn
+                if pace is None or self._paced_until.get(line, 0.0) <= time.monotonic() + 1e-3:
+                    break
+                self.gate.release(line, id(status))
         try:
+            if pace is not None:
+                # paced: the line drains faster than this, so nothing of the copy
+                # waits in the buffers ahead of it (`pdd.policy.line_order`)
+                self._paced_until[line] = max(self._paced_until.get(line, 0.0), time.monotonic()) + len(frame) / pace
             status.bytes_sent += stream.write(frame)
             await stream.drain()
         finally:
