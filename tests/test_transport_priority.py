@@ -244,3 +244,31 @@ def test_a_paced_copy_leaves_the_buffers_ahead_of_the_line_empty():
     # the copy went at about its pace, not faster (it also yielded to the warm one)
     rate = bg.payload_bytes / (bg.finished_s - bg.started_s)
     assert 0.7 * 3.6e6 < rate < 1.02 * 3.6e6, rate
+
+
+def test_paced_copies_still_go_one_at_a_time_fewest_blocks_first():
+    """Pacing must not turn the gate's order into a round robin: a copy waits
+    for its pace holding its turn, so a 1 MB copy that starts behind a 6 MB
+    one goes first and the big one yields meanwhile (as unpaced)."""
+    async def main():
+        receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, Sink())
+        link = WanLink(rate_bytes_s=4e6, latency_s=0.01, jitter_s=0)
+        sender = KVSender(SECRET, paces={"wan": 3.6e6})
+        try:
+            port = await link.add_mapping(0, "127.0.0.1", receiver.port)
+            big, big_h = blocks(24, 256 * 1024, 7)
+            small, small_h = blocks(4, 256 * 1024, 8)
+            a = sender.send("127.0.0.1", port, "big", {}, big_h, big, 30, line="wan", background=True)
+            await asyncio.sleep(0.3)
+            b = sender.send("127.0.0.1", port, "small", {}, small_h, small, 30, line="wan", background=True)
+            return await a.wait(), await b.wait()
+        finally:
+            await sender.close()
+            await link.close()
+            await receiver.close()
+    big, small = asyncio.run(asyncio.wait_for(main(), 30))
+    assert big.ok and small.ok
+    assert small.finished_s < big.finished_s and big.yielded_s > 0.15
+    # the two together kept about the pace: 7 MB in ~2 s, not half of it
+    rate = (big.payload_bytes + small.payload_bytes) / (big.finished_s - big.started_s)
+    assert 0.8 * 3.6e6 < rate < 1.02 * 3.6e6, rate
