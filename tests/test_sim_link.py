@@ -162,12 +162,7 @@ def test_a_paced_copy_goes_at_its_pace_and_leaves_nothing_ahead_of_a_new_transfe
     # bytes of it ahead (against test_a_new_transfer_waits_for_...: 1.8 s).
     link = Link("l", 100.0, 0.0, buffer_bytes=30.0, background_pace_bytes_s=80.0)
     link.add(0.0, "copy", 200, background=True)
-    done = {}
-    nxt = link.add(1.0, "user", 50)                  # the copy has 120 bytes left
-    while nxt:
-        flows, nxt2 = link.complete(*nxt)
-        done.update({f.flow_id: nxt[0] for f in flows})
-        nxt = nxt2
+    done = drain(link, link.add(1.0, "user", 50))    # the copy has 120 bytes left
     assert done == {"user": pytest.approx(1.5), "copy": pytest.approx(3.0)}
     # two paced copies together still go at the pace (one at a time)
     link = Link("l", 100.0, 0.0, background_pace_bytes_s=80.0)

@@ -210,24 +210,31 @@ def test_simulated_line_gives_background_flows_nothing_while_foreground_flows_ru
     assert done[0].yielded_s == pytest.approx(0.5)
 
 
-async def warm_turn_behind_a_copy(pace: float | None):
-    """A 6 MB copy that yields starts on a 4 MB/s line (10 ms one way); 0.6 s
-    later a one-block transfer a user waits for. Returns both statuses."""
+async def two_on_a_line(pace: float | None, n_second: int, second_background: bool, after_s: float):
+    """A 6 MB copy that yields starts on a 4 MB/s line (10 ms one way), its
+    sender pacing copies at `pace` (None: not); `after_s` later a second
+    transfer of `n_second` 256 KB blocks. Returns both statuses."""
     receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, Sink())
     link = WanLink(rate_bytes_s=4e6, latency_s=0.01, jitter_s=0)
     sender = KVSender(SECRET, paces={"wan": pace} if pace else None)
     try:
         port = await link.add_mapping(0, "127.0.0.1", receiver.port)
         big, big_h = blocks(24, 256 * 1024, 5)
-        small, small_h = blocks(1, 256 * 1024, 6)
+        small, small_h = blocks(n_second, 256 * 1024, 6)
         bg = sender.send("127.0.0.1", port, "copy", {}, big_h, big, 30, line="wan", background=True)
-        await asyncio.sleep(0.6)
-        fg = sender.send("127.0.0.1", port, "warm", {}, small_h, small, 30, line="wan")
-        return await bg.wait(), await fg.wait()
+        await asyncio.sleep(after_s)
+        second = sender.send("127.0.0.1", port, "second", {}, small_h, small, 30, line="wan",
+                             background=second_background)
+        return await bg.wait(), await second.wait()
     finally:
         await sender.close()
         await link.close()
         await receiver.close()
+
+
+async def warm_turn_behind_a_copy(pace: float | None):
+    """0.6 s into the copy, a one-block transfer a user waits for."""
+    return await two_on_a_line(pace, 1, False, 0.6)
 
 
 def test_a_paced_copy_leaves_the_buffers_ahead_of_the_line_empty():
@@ -250,25 +257,62 @@ def test_paced_copies_still_go_one_at_a_time_fewest_blocks_first():
     """Pacing must not turn the gate's order into a round robin: a copy waits
     for its pace holding its turn, so a 1 MB copy that starts behind a 6 MB
     one goes first and the big one yields meanwhile (as unpaced)."""
-    async def main():
-        receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, Sink())
-        link = WanLink(rate_bytes_s=4e6, latency_s=0.01, jitter_s=0)
-        sender = KVSender(SECRET, paces={"wan": 3.6e6})
-        try:
-            port = await link.add_mapping(0, "127.0.0.1", receiver.port)
-            big, big_h = blocks(24, 256 * 1024, 7)
-            small, small_h = blocks(4, 256 * 1024, 8)
-            a = sender.send("127.0.0.1", port, "big", {}, big_h, big, 30, line="wan", background=True)
-            await asyncio.sleep(0.3)
-            b = sender.send("127.0.0.1", port, "small", {}, small_h, small, 30, line="wan", background=True)
-            return await a.wait(), await b.wait()
-        finally:
-            await sender.close()
-            await link.close()
-            await receiver.close()
-    big, small = asyncio.run(asyncio.wait_for(main(), 30))
+    big, small = asyncio.run(asyncio.wait_for(two_on_a_line(3.6e6, 4, True, 0.3), 30))
     assert big.ok and small.ok
     assert small.finished_s < big.finished_s and big.yielded_s > 0.15
     # the two together kept about the pace: 7 MB in ~2 s, not half of it
     rate = (big.payload_bytes + small.payload_bytes) / (big.finished_s - big.started_s)
     assert 0.8 * 3.6e6 < rate < 1.02 * 3.6e6, rate
+
+
+def test_a_queued_copy_that_a_waiting_transfer_needs_goes_at_once():
+    """Priority inheritance reaches a copy already waiting for its turn: copy A
+    (24 small blocks) waits behind copy B (16 big blocks: fewer left, so B goes
+    first, 2 s of line); then a transfer a user waits on needs A's blocks and
+    the receiver holds its HAVE until they have landed (the sibling wait). A
+    must stop yielding then, not after B: found in results/wan-bound-23, where
+    a warm turn's HAVE waited 26.5 s for its predecessor's queued copy."""
+    class Sibling(Sink):
+        def __init__(self):
+            self.got: dict[str, int] = {}
+            self.a_done = asyncio.Event()
+
+        async def on_begin(self, request_id, meta, block_hashes):
+            if request_id == "user":
+                await self.a_done.wait()
+                return set(range(24))
+            return set()
+
+        async def on_block(self, request_id, index, block_hash, payload):
+            self.got[request_id] = self.got.get(request_id, 0) + 1
+            if request_id == "A" and self.got["A"] == 24:
+                self.a_done.set()
+
+    async def main():
+        sink = Sibling()
+        receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, sink)
+        link = WanLink(rate_bytes_s=4e6, latency_s=0.01, jitter_s=0)
+        sender = KVSender(SECRET, paces={"wan": 3.8e6})
+        try:
+            port = await link.add_mapping(0, "127.0.0.1", receiver.port)
+            b_data, b_h = blocks(16, 512 * 1024, 9)
+            a_data, a_h = blocks(24, 128 * 1024, 10)
+            u_data, u_h = blocks(1, 128 * 1024, 11)
+            b = sender.send("127.0.0.1", port, "B", {}, b_h, b_data, 30, line="wan", background=True)
+            await asyncio.sleep(0.1)
+            a = sender.send("127.0.0.1", port, "A", {}, a_h, a_data, 30, line="wan", background=True)
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            u = sender.send("127.0.0.1", port, "user", {}, a_h + u_h, a_data + u_data, 30, line="wan")
+            u_st = await u.wait()
+            took = time.monotonic() - t0
+            return await a.wait(), await b.wait(), u_st, took
+        finally:
+            await sender.close()
+            await link.close()
+            await receiver.close()
+    a, b, u, took = asyncio.run(asyncio.wait_for(main(), 30))
+    assert a.ok and b.ok and u.ok and u.num_blocks_skipped == 24
+    # A's 3 MB alone take 0.8 s (measured 0.94 s for the user's transfer);
+    # behind the rest of B's 8 MB, 2.6 s (measured without the fix)
+    assert a.finished_s < b.finished_s and took < 1.6, took

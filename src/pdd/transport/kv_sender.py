@@ -57,6 +57,7 @@ class TransferHandle:
         self.task: asyncio.Task | None = None
         self.cancel_reason: str | None = None
         self.holds_line: str | None = None     # foreground on this line until its blocks are written
+        self.held_since: tuple[float, int] = (0.0, 0)   # (when, bytes sent then) it took the line
         self.line: str | None = None
         self.background = False
         self.block_bytes = 0                   # a block's payload size, for the backlog (0: unknown)
@@ -197,6 +198,9 @@ class KVSender:
         waiting = self._awaiting_have.setdefault(dest, [])
         mine = frozenset(hashes)
         waiting.append(mine)
+        # a copy already queued on the line may carry blocks this one waits for:
+        # it must stop yielding now, not only at its next slice (`_awaited`)
+        self.gate.wake_all()
         try:
             return await stream.read_answer(self.stall_timeout_s)
         except TimeoutError:
@@ -220,9 +224,10 @@ class KVSender:
         pace = self.paces.get(line) if held else None
         if held:
             left = status.num_blocks - status.num_blocks_skipped - status.num_blocks_sent + 1
+            urgent = lambda: self._awaited(dest, last_hash)  # noqa: E731
             while True:
-                status.yielded_s += await self.gate.turn(line, id(status), left, status.started_s)
-                if pace is None:
+                status.yielded_s += await self.gate.turn(line, id(status), left, status.started_s, urgent)
+                if pace is None or urgent():
                     break
                 # the pace's wait holds the turn, so the copies still go one at a
                 # time in the gate's order (waiting outside it, they took turns)
@@ -276,9 +281,14 @@ class KVSender:
                     self._let_go(handle)
                     continue
                 if line is not None and not background and handle.holds_line is None:
-                    handle.holds_line = line
-                    self.gate.enter(line)
+                    self._hold(handle, line)
+                elif line is not None and handle.holds_line is None and self._awaited(dest, hashes[-1]):
+                    # a transfer a user waits on needs this copy's blocks: the copy
+                    # holds the line as a foreground one until it ends or waits for P
+                    self._hold(handle, line)
                 i, offset, total, data = item
+                # promoted (above): written as a foreground transfer's, unpaced
+                yields = background and handle.holds_line is None
                 # A background copy goes in slices (PART frames), one per turn on the line.
                 step = SLICE_BYTES if line is not None and background else max(len(data), 1)
                 view = memoryview(data)
@@ -298,7 +308,7 @@ class KVSender:
                         frame = encode_part(i, hashes[i], at, total, piece, digest, self.max_frame_bytes)
                     status.num_blocks_sent += last
                     status.payload_bytes += len(piece)
-                    await self._write_frame(stream, frame, line, background, status, dest, hashes[-1])
+                    await self._write_frame(stream, frame, line, yields, status, dest, hashes[-1])
         finally:
             await source.aclose()
 
@@ -328,10 +338,29 @@ class KVSender:
         if not members:
             self._on_line.pop(line, None)
 
+    def _hold(self, handle: TransferHandle, line: str) -> None:
+        handle.holds_line = line
+        handle.held_since = (time.monotonic(), handle.status.bytes_sent)
+        self.gate.enter(line)
+
     def _let_go(self, handle: TransferHandle) -> None:
-        if handle.holds_line is not None:
-            self.gate.leave(handle.holds_line)
-            handle.holds_line = None
+        """The transfer has written what it holds the line for. On a paced line
+        the background copies wait until those bytes can have crossed (at the
+        pace, a little below the line's rate): what the kernel's buffers and
+        the relay's queue still hold of them would otherwise cross interleaved
+        with the copies, at a fraction of the line."""
+        line = handle.holds_line
+        if line is None:
+            return
+        handle.holds_line = None
+        pace = self.paces.get(line)
+        since, sent = handle.held_since
+        until = since + (handle.status.bytes_sent - sent) / pace if pace else 0.0
+        delay = until - time.monotonic()
+        if delay > 1e-3:
+            asyncio.get_running_loop().call_later(delay, self.gate.leave, line)
+        else:
+            self.gate.leave(line)
 
     async def _transfer(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
                         get_block: Callable, deadline_s: float, line: str | None, background: bool,
@@ -362,8 +391,7 @@ class KVSender:
                     # one has written its last block (or ended). Not before HAVE:
                     # the receiver may hold HAVE back until a background copy of
                     # the same blocks has landed, which must not wait for us.
-                    handle.holds_line = line
-                    self.gate.enter(line)
+                    self._hold(handle, line)
                 # Read the receiver's answer while sending: a receiver that refuses
                 # mid-transfer (a block failing its seal, a handler error) says why
                 # in an ERROR and closes; stop at once and report that reason, not

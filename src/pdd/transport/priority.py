@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from typing import Callable
 
 from pdd.policy.line_order import yield_key
 
@@ -101,10 +102,14 @@ class LineGate:
             return False
         return self._first(line) == key
 
-    async def turn(self, line: str, key: int, blocks_left: int, started_s: float | None = None) -> float:
+    async def turn(self, line: str, key: int, blocks_left: int, started_s: float | None = None,
+                   urgent: Callable[[], bool] | None = None) -> float:
         """Wait for a background transfer's turn to write one slice; the seconds
         waited. `started_s`: when the transfer started (monotonic; None: now).
-        Call `release` after the slice."""
+        `urgent`: asked again whenever the copy is woken (`wake_all`); once true,
+        the copy stops waiting and writes as a foreground one would (a transfer
+        a user waits on needs its blocks: priority inheritance). Call `release`
+        after the slice."""
         asking = self._asking.setdefault(line, {})
         t0 = time.monotonic()
         asking[key] = (blocks_left, t0 if started_s is None else started_s)
@@ -112,6 +117,8 @@ class LineGate:
         granted = False
         try:
             while not self._may_write(line, key):
+                if urgent is not None and urgent():
+                    return time.monotonic() - t0 if waited else 0.0     # no turn taken: release is a no-op
                 waited = True
                 fut = self._woken[key] = asyncio.get_running_loop().create_future()
                 await fut
@@ -123,6 +130,14 @@ class LineGate:
                 self._next(line)
         self._holder[line] = key
         return time.monotonic() - t0 if waited else 0.0
+
+    def wake_all(self) -> None:
+        """Wake every waiting copy to ask its `urgent` again (a transfer has
+        started waiting for blocks a copy may carry); those still not urgent
+        wait again, and the one whose turn it is goes."""
+        for fut in list(self._woken.values()):
+            if not fut.done():
+                fut.set_result(None)
 
     def release(self, line: str, key: int) -> None:
         if self._holder.get(line) == key:
