@@ -57,7 +57,6 @@ class TransferHandle:
         self.task: asyncio.Task | None = None
         self.cancel_reason: str | None = None
         self.holds_line: str | None = None     # foreground on this line until its blocks are written
-        self.held_since: tuple[float, int] = (0.0, 0)   # (when, bytes sent then) it took the line
         self.line: str | None = None
         self.background = False
         self.block_bytes = 0                   # a block's payload size, for the backlog (0: unknown)
@@ -340,27 +339,16 @@ class KVSender:
 
     def _hold(self, handle: TransferHandle, line: str) -> None:
         handle.holds_line = line
-        handle.held_since = (time.monotonic(), handle.status.bytes_sent)
         self.gate.enter(line)
 
     def _let_go(self, handle: TransferHandle) -> None:
-        """The transfer has written what it holds the line for. On a paced line
-        the background copies wait until those bytes can have crossed (at the
-        pace, a little below the line's rate): what the kernel's buffers and
-        the relay's queue still hold of them would otherwise cross interleaved
-        with the copies, at a fraction of the line."""
-        line = handle.holds_line
-        if line is None:
-            return
-        handle.holds_line = None
-        pace = self.paces.get(line)
-        since, sent = handle.held_since
-        until = since + (handle.status.bytes_sent - sent) / pace if pace else 0.0
-        delay = until - time.monotonic()
-        if delay > 1e-3:
-            asyncio.get_running_loop().call_later(delay, self.gate.leave, line)
-        else:
-            self.gate.leave(line)
+        # At once, not when its bytes can have crossed at the pace: holding the
+        # line for what the buffers still held of a transfer starved the copies
+        # while transfers a user waits on kept coming (tried in session 16:
+        # tests/test_soak.py then left a request on MD after the load).
+        if handle.holds_line is not None:
+            self.gate.leave(handle.holds_line)
+            handle.holds_line = None
 
     async def _transfer(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
                         get_block: Callable, deadline_s: float, line: str | None, background: bool,
