@@ -167,9 +167,9 @@ def test_a_paced_copy_goes_at_its_pace_and_leaves_nothing_ahead_of_a_new_transfe
     # two paced copies together still go at the pace (one at a time)
     link = Link("l", 100.0, 0.0, background_pace_bytes_s=80.0)
     link.add(0.0, "a", 80, background=True)
-    assert drain(link, link.add(0.0, "b", 160, background=True)) == {"a": pytest.approx(1.0),
-                                                                      "b": pytest.approx(3.0)}
-    assert link.remaining_s("none", 3.0) == 0.0
+    nxt = link.add(0.0, "b", 160, background=True)
+    assert link.remaining_s("b", 0.0) == pytest.approx(3.0)      # behind a, both at the pace
+    assert drain(link, nxt) == {"a": pytest.approx(1.0), "b": pytest.approx(3.0)}
     with pytest.raises(ValueError):
         Link("l", 100.0, 0.0, background_pace_bytes_s=0.0)
 

@@ -48,8 +48,9 @@ def copy_pace(spec: DeploymentSpec) -> dict[str, float]:
     """Per line label, the rate at which each P writes the copies that yield
     that line (`pdd.policy.line_order.copy_pace_bytes_s`): the WAN's rate
     (there is one WAN line, "wan") shared by the deployment's prefill
-    instances. Empty: nothing is paced. The servers' senders and the
-    simulator's line take it from here."""
+    instances. Empty: nothing is paced. The servers' senders take it from
+    here; the simulator's line calls the same policy function with its own
+    count of P instances (`sim.cluster`: scenario files have no deployment)."""
     from pdd.policy.config import PolicyConfig
     from pdd.policy.line_order import copy_pace_bytes_s
 

@@ -279,11 +279,10 @@ class KVSender:
                 if item is None:
                     self._let_go(handle)
                     continue
-                if line is not None and not background and handle.holds_line is None:
-                    self._hold(handle, line)
-                elif line is not None and handle.holds_line is None and self._awaited(dest, hashes[-1]):
-                    # a transfer a user waits on needs this copy's blocks: the copy
-                    # holds the line as a foreground one until it ends or waits for P
+                # A copy holds the line as a foreground transfer, until it ends or
+                # waits for P, when a transfer a user waits on needs its blocks.
+                if (line is not None and handle.holds_line is None
+                        and (not background or self._awaited(dest, hashes[-1]))):
                     self._hold(handle, line)
                 i, offset, total, data = item
                 # promoted (above): written as a foreground transfer's, unpaced
