@@ -78,7 +78,9 @@ def test_blackholed_wan_fails_within_the_kv_stall_timeout(slow_pd_wan):
     finally:
         asyncio.run(ctl.restore())
     elapsed = time.monotonic() - t0
-    assert elapsed < 4.0 + 6.0, elapsed
+    # 4.0 s measured; the abort sent to D over the same dead line (5 s bound) must
+    # not hold the user's error (it took 9.1-10.0 s when it did)
+    assert elapsed < 4.0 + 3.0, elapsed
     msg = str(err.value)
     assert err.value.status_code == 502 and "KV" in msg and ("sent nothing" in msg or "stalled" in msg
                                                               or "connect" in msg), msg

@@ -242,8 +242,12 @@ async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
                     note_transfer(ctx, ev, cluster)
                     if ev.get("ok"):
                         await release(client, p, ctx)
-                    else:   # D would wait for KV that will never come: end it now
-                        await abort(client, d, ctx)
+                    else:
+                        # D would wait for KV that will never come: end it now. The abort
+                        # may cross the very line that failed, so the user's error does
+                        # not wait for it (D also drops the request when its stream closes).
+                        streams.close("d")
+                        in_background(abort(client, d, ctx))
                         raise FlowError(f"KV transfer {p.spec.name} -> {d.spec.name} failed: {ev.get('error')}")
                 elif kind in ("finished", "closed"):
                     if not ctx.trace.token_times_s and kind == "finished":
@@ -273,6 +277,17 @@ async def control(client: InternalClient, m: Member, path: str, body: dict, ctx:
         await client.post(m.http.url, path, body, timeout_s=min(timeout_s, ctx.remaining_s()))
     except Exception as e:
         ctx.trace.event("control_error", instance=m.spec.name, path=path, error=repr(e))
+
+
+_cleanups: set[asyncio.Task] = set()
+
+
+def in_background(coro) -> None:
+    """Run a bounded clean-up call (an abort) that the user's answer must not
+    wait for, kept referenced until it ends."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _cleanups.add(task)
+    task.add_done_callback(_cleanups.discard)
 
 
 async def abort(client: InternalClient, m: Member, ctx: RequestContext) -> None:
