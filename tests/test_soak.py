@@ -41,11 +41,12 @@ DISCONNECT_SHARE = 0.4
 # answer is bounded by kv_deadline_s, 60 s): in a measured run 16 copies with
 # 35 MB left were still queued when the load stopped and took ~20 s to land.
 IDLE_WAIT_S = 60.0
-# Growth per process over the soak (a leak of ~12 MB/s would pass 1 GB). P's
-# allocator keeps what its peak of concurrent prefills and held copies took:
-# 119, 126 and 167 MB in three runs of the bf16 example on 2026-12-05 (the
-# last on code whose P is unchanged from the first), so 150 was inside the noise.
-RSS_BOUND_MB = 250
+# Growth per process over the soak (a leak of ~12 MB/s would pass 1 GB).
+# P's streamed copies once read a whole prompt's KV ahead of a slow line and
+# kept the pages after: 119-265 MB in four runs. Reading a bounded window
+# ahead (`prefill_job.READ_AHEAD_BYTES`) and trimming the heap when the last
+# copy ends: P 25 MB, RLD 73-84, MD 80-87 (2026-12-05, bf16 example).
+RSS_BOUND_MB = 200
 
 
 def instance_stats(dep: Deployment) -> dict[str, dict]:

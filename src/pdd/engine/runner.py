@@ -127,7 +127,7 @@ class ModelRunner:
         blocks): an idle process gives back what its busiest moment took."""
         if self.rows is not None:
             self.rows.release()
-        _trim_heap()
+        trim_heap()
 
     # -- whole blocks as bytes ------------------------------------------------
     def _block_view(self, block_id: int) -> torch.Tensor:
@@ -155,7 +155,7 @@ class ModelRunner:
         view.copy_(src)
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """glibc's malloc_trim(0), where there is one (a no-op elsewhere)."""
     global _MALLOC_TRIM
     if _MALLOC_TRIM is None:

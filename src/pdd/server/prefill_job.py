@@ -25,6 +25,7 @@ from dataclasses import replace
 from pdd.engine.hashing import hash_blocks
 from pdd.engine.kv_codec import KVManifest
 from pdd.engine.request import EngineRequest, RequestStatus
+from pdd.engine.runner import trim_heap
 from pdd.server.wire import NdjsonWriter, sampling_from_dict
 from pdd.transport.kv_sender import TransferHandle
 
@@ -32,6 +33,11 @@ from pdd.transport.kv_sender import TransferHandle
 # A streamed transfer waits for the engine to move (`EngineLoop.moved`: a
 # layer's KV written, a step done) and looks again at least this often.
 STREAM_WAIT_S = 0.25
+# What a streamed transfer reads from the KV cache ahead of its line: one
+# read of every computed block at once held a whole prompt's KV (55 MB for
+# 2.4K tokens in bf16) per copy while a paced or yielding copy trickled it
+# out over seconds; P's RSS grew 265 MB over tests/test_soak.py.
+READ_AHEAD_BYTES = 4 << 20
 
 
 class PrefillJob:
@@ -192,7 +198,7 @@ class PrefillJob:
             prog = runner.progress
             span = prog.spans.get(self.request_id) if prog is not None else None
             layers_now = prog.layers_written if span is not None else 0
-            out = []
+            out, read, capped = [], 0, False
             for i in sorted(sent):
                 need = (i + 1) * bs
                 if len(req.block_ids) <= i:
@@ -205,7 +211,11 @@ class PrefillJob:
                     break
                 lo = sent[i]
                 if upto == num_layers or upto - lo >= step:     # a block in `sent` has layers left
+                    if read >= READ_AHEAD_BYTES:
+                        capped = True        # the rest on the next turn, without waiting for P
+                        break
                     out.append((i, lo, upto, runner.read_block_layers(req.block_ids[i], lo, upto)))
+                    read += (upto - lo) * layer_bytes
             # Valid only if the request kept its blocks while we read them.
             if req.num_preemptions != gen or self.server.engine.requests.get(self.request_id) is not req:
                 await self._engine_moves(seen)
@@ -215,7 +225,7 @@ class PrefillJob:
                 sent[i] = upto
                 if upto == num_layers:
                     del sent[i]
-            if sent:
+            if sent and not capped:
                 if not out:
                     yield None          # waiting for P: the line is free for others meanwhile
                 await self._engine_moves(seen)
@@ -255,6 +265,11 @@ class PrefillJob:
     async def _report(self, name: str, link: str, handle: TransferHandle, background: bool) -> None:
         st = await handle.wait()
         self.server.metrics.on_kv_sent(link, st)
+        if self.server.sender.idle:
+            # The last copy in flight is over: hand back the pages its block
+            # reads took (the engine trims when it goes idle, which may be
+            # long before the copies it left have crossed a slow line).
+            trim_heap()
         await self.events.put({
             "event": "transfer", "target": name, "link": link, "ok": st.ok, "error": st.error or None,
             "payload_bytes": st.payload_bytes, "bytes_sent": st.bytes_sent,

@@ -171,6 +171,11 @@ class KVSender:
         self.pool.close()
 
     @property
+    def idle(self) -> bool:
+        """No transfer in flight."""
+        return all(h.done for h in self._active)
+
+    @property
     def num_connections_opened(self) -> int:
         return self.pool.num_opened
 
