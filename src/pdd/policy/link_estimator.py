@@ -82,10 +82,11 @@ class LinkEstimator:
         return old + self.cfg.alpha * (sample - old)
 
     def _landed(self, now: float, num_bytes: int, duration_s: float, what: str,
-                less_rtt: bool = True) -> float | None:
+                less_rtt: bool = True, rtt_s: float | None = None) -> float | None:
         """A transfer that delivered: check, note the time and that the link is
-        up; its rate (bytes over the time, less one round trip if `less_rtt`),
-        or None for one too small to say anything about bandwidth."""
+        up; its rate (bytes over the time, less one round trip if `less_rtt`:
+        `rtt_s`, or the estimate), or None for one too small to say anything
+        about bandwidth."""
         if num_bytes < 0 or duration_s <= 0:
             raise ValueError(f"{what} needs num_bytes >= 0 and duration_s > 0")
         self._tick(now)
@@ -94,11 +95,14 @@ class LinkEstimator:
             return None
         if not less_rtt:
             return num_bytes / duration_s
-        return num_bytes / max(duration_s - self._rtt, duration_s * 0.1)
+        rtt = self._rtt if rtt_s is None else rtt_s
+        return num_bytes / max(duration_s - rtt, duration_s * 0.1)
 
-    def observe(self, now: float, num_bytes: int, duration_s: float) -> None:
-        """A completed transfer: `num_bytes` delivered in `duration_s` (handshake included)."""
-        sample = self._landed(now, num_bytes, duration_s, "observe")
+    def observe(self, now: float, num_bytes: int, duration_s: float, rtt_s: float | None = None) -> None:
+        """A completed transfer: `num_bytes` delivered in `duration_s` (handshake
+        included); `rtt_s`: the round trip it paid, where it measured one (else
+        the estimate's)."""
+        sample = self._landed(now, num_bytes, duration_s, "observe", rtt_s=rtt_s)
         if sample is None:
             # A small transfer is mostly the round trip: it bounds the RTT.
             self._rtt = self._fold(self._rtt, duration_s)
@@ -161,7 +165,12 @@ class LinkEstimator:
         elif paced:
             self.observe_at_least(now, num_bytes, line_s)
         else:
-            self.observe(now, num_bytes, line_s)
+            # Less the round trip this transfer paid (its own BEGIN -> HAVE, where
+            # shorter than the estimate): after a crowded spell the estimate runs
+            # high for a while, and a 0.37 MB copy of 0.12 s less a 0.2 s estimate
+            # read 30 MB/s on a 7.5 MB/s line; the estimate reached 18 MB/s and a
+            # 35 MB copy judged 0.2 s away took 3.9 s (`results/heldout-agentic-19s1`).
+            self.observe(now, num_bytes, line_s, rtt_s=min(self._rtt, handshake_s) if handshake_s > 0 else None)
 
     def observe_at_least(self, now: float, num_bytes: int, duration_s: float) -> None:
         """A transfer that shows only that the line is at least this fast:
