@@ -167,3 +167,29 @@ def test_with_only_ps_token_out_the_final_batch_goes_at_once():
     s = HandoffSession("r", HandoffMode.ONE_SHOT, PolicyConfig())
     assert s.on_md_ready(1.0, 1, rld_decoding=False) == SendBatch(0, 1, True)
     assert s.rld_stop_at == 1
+
+
+def test_no_final_batch_for_the_last_few_tokens():
+    """A final batch that would leave MD at most `catchup_final_max_tokens` of
+    the output bound is not sent: RLD ends the request (a 41-token answer was
+    handed over at 40, its last token 3.4x the median gap late)."""
+    cfg = PolicyConfig(catchup_final_max_tokens=2, catchup_threshold_tokens=2, catchup_max_batches=2)
+    # catch-up that never converges: the forced final batch falls near the end
+    s = HandoffSession("r", HandoffMode.CATCH_UP, PolicyConfig(catchup_final_max_tokens=2, catchup_threshold_tokens=2,
+                                                                catchup_max_batches=2, handoff_on_rld_token=False),
+                       max_tokens=41)
+    assert s.on_md_ready(1.0, 10) == SendBatch(0, 10, False)
+    assert s.on_batch_extended(1.5, 10, 30) == SendBatch(10, 30, False)
+    assert s.on_batch_extended(2.0, 30, 39) is None            # forced final at 39: 2 left
+    assert s.state is HandoffState.RLD_FINISHES and s.rld_stop_at is None
+    assert s.on_rld_finished(2.2, 41) == Abandon(41, "request ended on RLD")
+    # armed final (sent with RLD's next token): judged when that token comes
+    s = HandoffSession("r", HandoffMode.ONE_SHOT, cfg, max_tokens=10)
+    assert s.on_md_ready(1.0, 5) is None and s.state is HandoffState.ARMED
+    assert s.on_rld_token(1.1, 8) is None and s.state is HandoffState.RLD_FINISHES
+    # with more left, the same session sends its final batch as before
+    s = HandoffSession("r", HandoffMode.ONE_SHOT, cfg, max_tokens=20)
+    assert s.on_md_ready(1.0, 5) is None and s.on_rld_token(1.1, 6) == SendBatch(0, 6, True)
+    # no bound known: as before
+    s = HandoffSession("r", HandoffMode.ONE_SHOT, CFG)
+    assert s.on_md_ready(1.0, 100) == SendBatch(0, 100, True)

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from pdd.policy import InstanceView, Pipeline, PipelineDecision, PolicyConfig, RequestFacts, Role
+from pdd.policy.handoff import HandoffState
 from pdd.policy.lifecycle import RequestLifecycle, pick_spare, remaining_wan_s
 from pdd.policy.lifecycle_io import (
     Abort, CancelTransfer, ClientGone, CloseStream, DeadlinePassed, DecodeEnded, DecodeToken, Emit,
@@ -231,19 +232,19 @@ def test_the_relay_budgets_count_what_rld_really_emitted_once_a_request_ends():
 
     from pdd.policy import RelayBudgets
     budgets = RelayBudgets(CFG)
-    facts = RequestFacts("req", 4096, 20, 1000, 16)
-    # A relay predicted to leave 2 of its 20 tokens on RLD; the copy takes
+    facts = RequestFacts("req", 4096, 30, 1000, 16)
+    # A relay predicted to leave 2 of its 30 tokens on RLD; the copy takes
     # longer and RLD emits 12 before MD takes over.
     lc = RequestLifecycle(facts, replace(RELAY, rld_tokens=2), CFG, budgets)
     lc.start(0.0)
-    assert (budgets.tokens.part, budgets.tokens.whole, budgets.requests.part) == (2, 20, 0)
+    assert (budgets.tokens.part, budgets.tokens.whole, budgets.requests.part) == (2, 30, 0)
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
     rld_tokens(lc, 0, 12)
     assert budgets.tokens.part == 2                  # still the prediction while it runs
     lc.handle(TransferEnded(3.0, "m0", True))
     assert of(lc.handle(KvReady(3.1, rld_view())), PauseRld) == [PauseRld("r0")]   # one-shot at 12
-    md_tokens(lc, 12, 20)
+    md_tokens(lc, 12, 30)
     lc.handle(DecodeEnded(5.0, Leg.MD, EndReason.LENGTH))
     assert lc.done is not None and lc.rld_emitted == 12
     assert budgets.tokens.part == 12                 # what RLD really did
@@ -349,28 +350,45 @@ def test_md_lost_after_the_final_batch_resumes_rld_with_its_held_tokens():
 
 
 def test_output_ending_at_the_final_batch_ends_the_request():
-    """RLD made the last token before MD was ready: MD's normal end at the
-    handoff point finishes the request (it used to wait for the deadline)."""
-    lc, _ = started(RELAY, max_tokens=4)
+    """RLD stopped at the final batch and then made the answer's last token
+    (EOS) while paused: MD's normal end at the handoff point finishes the
+    request (it used to wait for the deadline)."""
+    lc, _ = started(RELAY, max_tokens=20)
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
     rld_tokens(lc, 0, 4)
-    lc.handle(KvReady(1.0, rld_view()))
-    assert lc.handle(DecodeEnded(1.1, Leg.RLD, EndReason.LENGTH)) == []    # paused: MD decides
-    out = lc.handle(DecodeEnded(1.2, Leg.MD, EndReason.LENGTH))
-    assert out[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH) and lc.tokens == [ref(i) for i in range(4)]
+    assert of(lc.handle(KvReady(1.0, rld_view())), PauseRld) == [PauseRld("r0")]   # one-shot at 4
+    assert lc.handle(DecodeEnded(1.1, Leg.RLD, EndReason.STOP)) == []    # paused: MD decides
+    out = lc.handle(DecodeEnded(1.2, Leg.MD, EndReason.STOP))
+    assert out[-1] == Finish(Outcome.RELAY, FinishReason.STOP) and lc.tokens == [ref(i) for i in range(4)]
+
+
+def test_no_handoff_for_the_last_few_tokens():
+    """MD is ready when at most `catchup_final_max_tokens` of the answer's bound
+    are left (here all of it is out): handing over would stall the user for MD's
+    extend to gain nothing, so RLD ends the request; MD gets no extend and RLD
+    no pause."""
+    lc, _ = started(RELAY, max_tokens=12)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 6)
+    out = lc.handle(KvReady(1.0, rld_view()))          # 6 left, catchup_final_max_tokens 8
+    out += rld_tokens(lc, 6, 12) + lc.handle(DecodeEnded(1.6, Leg.RLD, EndReason.LENGTH))
+    assert not of(out, PauseRld) and not of(out, ExtendMd)
+    assert out[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH) and lc.tokens == [ref(i) for i in range(12)]
+    assert lc.rld_emitted == 12 and lc.session.state is HandoffState.ENDED_ON_RLD
 
 
 def test_md_lost_after_rld_finished_while_paused_ends_on_rld():
-    lc, _ = started(RELAY, max_tokens=6)
+    lc, _ = started(RELAY, max_tokens=20)
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
     rld_tokens(lc, 0, 4)
     lc.handle(KvReady(1.0, rld_view()))
     rld_tokens(lc, 4, 6)
-    lc.handle(DecodeEnded(1.1, Leg.RLD, EndReason.LENGTH))
+    lc.handle(DecodeEnded(1.1, Leg.RLD, EndReason.STOP))
     out = lc.handle(DecodeEnded(1.2, Leg.MD, EndReason.ERROR, "MD died"))
-    assert out[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH) and lc.tokens == [ref(i) for i in range(6)]
+    assert out[-1] == Finish(Outcome.RELAY, FinishReason.STOP) and lc.tokens == [ref(i) for i in range(6)]
 
 
 def test_rld_lost_before_the_handoff_md_takes_over_at_the_users_token():

@@ -393,12 +393,12 @@ class RequestLifecycle(RecoveryRules):
         """The handoff's mode from RLD's load now (`new_session`); an RLD never
         reported counts as idle."""
         rld = self.rld_view or InstanceView(self.rld_id or "rld", Role.RELAY, "", 0, 0, 1, 0, 0)
-        self.session = new_session(self.req.request_id, len(self.tokens), rld, self.cfg)
+        self.session = new_session(self.req.request_id, len(self.tokens), rld, self.cfg, self.req.max_tokens)
         self._note("md_ready", eager_tokens=len(self.tokens), mode=self.session.mode.value)
         # tokens[0] is P's: RLD decodes from the second one on.
         self._do(now, self.session.on_md_ready(now, len(self.tokens), rld_decoding=len(self.tokens) > 1))
 
-    def _do(self, now: float, act: SendBatch | Complete) -> None:
+    def _do(self, now: float, act: SendBatch | Complete | None) -> None:
         while isinstance(act, SendBatch):
             self.handoff_batches += 1
             toks = self.tokens[max(act.start, 1): act.end]     # MD already holds token 0 (from P)
