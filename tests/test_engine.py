@@ -148,3 +148,25 @@ def test_bad_input_is_refused_and_engine_keeps_serving(tiny_model):
     evs = drain(eng)
     assert [e.request_id for e in evs if e.token_id is not None] == ["ok"] * 5
     assert eng.requests["ok"].finish_reason == "length"
+
+
+def test_a_paused_decode_stops_at_once_and_resumes_exactly(tiny_model):
+    """extend(id, [], final=False) on a running decode (RLD paused for a
+    handoff's final batch): no further step computes its sampled token; with
+    nothing else to run the engine is idle; a resume continues the greedy
+    answer exactly."""
+    model, _ = tiny_model
+    p = prompt(9, 40)
+    ref = generate_greedy(model, p, 12)
+    eng = make_engine(tiny_model)
+    eng.submit(EngineRequest("z", p, greedy(12)))
+    got = []
+    while len(got) < 5:
+        got += [e.token_id for e in eng.step() if e.token_id is not None]
+    steps = eng.num_steps
+    eng.extend("z", [], final=False)
+    assert not eng.has_work and eng.step() == [] and eng.num_steps == steps    # no step ran
+    eng.extend("z", [])                                                        # resume
+    evs = drain(eng)
+    assert got + [e.token_id for e in evs if e.token_id is not None] == ref
+    assert evs[-1].finished and evs[-1].finish_reason == "length"

@@ -122,6 +122,14 @@ class Engine:
         if final and not token_ids and req.num_uncomputed == 0 and req.num_computed_tokens > 0:
             # resuming a paused request: recompute its last token to get logits again
             req.num_computed_tokens -= 1
+        if (not final and not token_ids and req.status == RequestStatus.RUNNING
+                and req.num_uncomputed <= 1 and req.num_computed_tokens > 0):
+            # Pausing a decode (a handoff's final batch is on its way to MD): stop now,
+            # not after one more step that computes its sampled token's KV without
+            # sampling; a resume computes it then. That step ran on RLD while MD's
+            # extend waited, on the core the two share (`results/wan-bound-27`).
+            req.status = RequestStatus.HELD
+            return
         if req.status == RequestStatus.HELD:
             req.status = RequestStatus.RUNNING
 

@@ -85,7 +85,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(r.num_uncomputed > 0 for r in self.running)
+        return bool(self.waiting) or any(r.num_uncomputed > 0 and r.status is not RequestStatus.HELD
+                                         for r in self.running)
 
     # -- schedule -------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -119,7 +120,8 @@ class Scheduler:
                     req.urgent = False
             if plan.seqs:
                 return plan
-        decodes = sorted((r for r in self.running if r.num_uncomputed == 1), key=lambda r: r.arrival_s)
+        decodes = sorted((r for r in self.running if r.num_uncomputed == 1 and r.status is not RequestStatus.HELD),
+                         key=lambda r: r.arrival_s)
         for req in decodes:
             budget = self._run(req, budget, in_plan, plan)
         # Prompt work, shortest remaining first: running chunks and waiting requests.
