@@ -282,8 +282,13 @@ class PddRun:
             await self.post(self.members[io.Leg.P], "/internal/cancel",
                             {"request_id": rid, "target": cmd.instance_id, "reason": cmd.reason})
         elif isinstance(cmd, io.ExtendMd):
+            # Timed on the trace: a handoff's stall is this call's trip across the
+            # WAN, MD's step under way and its extend (`docs/DESIGN.md`).
+            t0 = time.monotonic()
             await self.post(c.members[cmd.instance_id], "/internal/extend",
                             {"request_id": rid, "token_ids": list(cmd.token_ids), "final": cmd.final})
+            ctx.trace.event("extend_sent", tokens=len(cmd.token_ids), final=cmd.final,
+                            answered_s=round(time.monotonic() - t0, 4))
         elif isinstance(cmd, io.PauseRld):
             await self.post(c.members[cmd.instance_id], "/internal/extend",
                             {"request_id": rid, "token_ids": [], "final": False})
