@@ -25,6 +25,7 @@ from pdd.deploy.spec import Role
 from pdd.engine.request import SamplingParams
 from pdd.policy import NoRouteError, RequestFacts, choose_pipeline
 from pdd.server.cluster import Cluster, Member
+from pdd.server.tasks import spawn
 from pdd.server.trace import RequestTrace
 from pdd.server.wire import InternalClient, sampling_to_dict
 
@@ -210,6 +211,9 @@ def choose_pd(ctx: RequestContext, cluster: Cluster, now: float) -> tuple[Member
     return cluster.members[d.p_id], cluster.members[d.md_id]
 
 
+_cleanups: set[asyncio.Task] = set()     # aborts the user's answer does not wait for (`spawn`)
+
+
 async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
                   p: Member, d: Member, role_name: str = "d") -> AsyncIterator[int]:
     """Prefill on P, KV to D, D decodes from the first token on (in-DC or naive cross-DC PD)."""
@@ -247,7 +251,7 @@ async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
                         # may cross the very line that failed, so the user's error does
                         # not wait for it (D also drops the request when its stream closes).
                         streams.close("d")
-                        in_background(abort(client, d, ctx))
+                        spawn(abort(client, d, ctx), _cleanups)
                         raise FlowError(f"KV transfer {p.spec.name} -> {d.spec.name} failed: {ev.get('error')}")
                 elif kind in ("finished", "closed"):
                     if not ctx.trace.token_times_s and kind == "finished":
@@ -277,17 +281,6 @@ async def control(client: InternalClient, m: Member, path: str, body: dict, ctx:
         await client.post(m.http.url, path, body, timeout_s=min(timeout_s, ctx.remaining_s()))
     except Exception as e:
         ctx.trace.event("control_error", instance=m.spec.name, path=path, error=repr(e))
-
-
-_cleanups: set[asyncio.Task] = set()
-
-
-def in_background(coro) -> None:
-    """Run a bounded clean-up call (an abort) that the user's answer must not
-    wait for, kept referenced until it ends."""
-    task = asyncio.get_running_loop().create_task(coro)
-    _cleanups.add(task)
-    task.add_done_callback(_cleanups.discard)
 
 
 async def abort(client: InternalClient, m: Member, ctx: RequestContext) -> None:

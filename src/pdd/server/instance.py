@@ -34,7 +34,8 @@ from pdd.policy import PolicyConfig
 from pdd.server.engine_loop import EngineLoop
 from pdd.server.http_auth import internal_auth_middleware
 from pdd.server.instance_metrics import InstanceMetrics
-from pdd.server.kv_arrivals import KVArrivals, spawn
+from pdd.server.kv_arrivals import KVArrivals
+from pdd.server.tasks import spawn
 from pdd.server.prefill_job import PrefillJob
 from pdd.server.wire import NdjsonWriter, sampling_from_dict
 from pdd.transport import tls

@@ -21,6 +21,7 @@ from pdd.engine.kv_codec import BLOCK_DIGEST, KVImportError, open_block
 from pdd.policy import PolicyConfig, wait_for_siblings
 from pdd.server.engine_loop import EngineLoop
 from pdd.server.instance_metrics import InstanceMetrics
+from pdd.server.tasks import spawn
 from pdd.transport.state import TransferStatus
 
 EXPIRY_SWEEP_S = 5.0
@@ -39,13 +40,6 @@ class KVArrival:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
     claimed: bool = False         # a decode call waits for it (under its own timeout: never expired)
-
-
-def spawn(coro, keep: set) -> None:
-    """Run a release that must outlive a cancelled handler, kept referenced in `keep`."""
-    task = asyncio.get_running_loop().create_task(coro)
-    keep.add(task)
-    task.add_done_callback(keep.discard)
 
 
 class KVArrivals:
