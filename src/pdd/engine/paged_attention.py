@@ -57,7 +57,6 @@ class PrefillChunk:
     ctx: int                    # context length (start position + tokens)
     blocks: torch.Tensor | None  # [nblk] block ids of the whole context; None when start == 0
     mask: torch.Tensor | None   # [n, ctx] bool, None when plain causal from 0
-    block_ids: list[int] | None = None   # `blocks` as a list (start > 0)
     prefix: "DecodeSeq | None" = None    # the context before the chunk as runs + rest (made at first use)
 
 
@@ -152,7 +151,7 @@ def build_metadata(
                 blk = torch.tensor(blocks[:nblk], dtype=torch.long)
                 q_pos = torch.arange(start, ctx).unsqueeze(1)
                 mask = torch.arange(ctx).unsqueeze(0) <= q_pos          # [n, ctx]
-            prefills.append(PrefillChunk(tok, tok + n, ctx, blk, mask, blocks[:nblk] if start > 0 else None))
+            prefills.append(PrefillChunk(tok, tok + n, ctx, blk, mask))
         tok += n
     md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills,
                            block_size=bs)
@@ -254,18 +253,10 @@ class PagedAttention:
         Gathering the whole context and masking it cost a 9-token extend over a
         2K context 21 ms of a 93 ms bf16 step (measured; fp32 keeps the one masked
         call, the reference for exact-equality tests)."""
-        bs = paged.shape[2]
         n = c.end_tok - c.start_tok
-        if c.prefix is None:
-            c.prefix = split_runs(c.block_ids, c.ctx - n, bs)
-        seq = c.prefix
-        _, _, _, KVH, D = paged.shape
-        kflat, vflat = paged[0].view(-1, KVH, D), paged[1].view(-1, KVH, D)
-        ks = [kflat[b * bs : (b + m) * bs] for b, m in seq.runs]
-        vs = [vflat[b * bs : (b + m) * bs] for b, m in seq.runs]
-        if seq.gather is not None and seq.gather_tokens > 0:
-            ks.append(paged[0].index_select(0, seq.gather).view(-1, KVH, D)[: seq.gather_tokens])
-            vs.append(paged[1].index_select(0, seq.gather).view(-1, KVH, D)[: seq.gather_tokens])
+        if c.prefix is None:            # once a step, for all the layers
+            c.prefix = split_runs(c.blocks.tolist(), c.ctx - n, paged.shape[2])
+        ks, vs = _context_pieces(paged, c.prefix)
         ks.append(k[c.start_tok : c.end_tok])
         vs.append(v[c.start_tok : c.end_tok])
         return _attend_pieces_multi(q[c.start_tok : c.end_tok], ks, vs)
@@ -328,22 +319,11 @@ class PagedAttention:
         if self._each_buf is None:
             nmax = max((d.gather.numel() for d in seqs if d.gather is not None), default=0)
             self._each_buf = paged.new_empty((2, nmax) + tuple(paged.shape[2:]))
-        kbuf, vbuf = self._each_buf[0], self._each_buf[1]          # [nmax, bs, KVH, D] each
-        bs = paged.shape[2]
-        kflat = paged[0].view(-1, KVH, D)                          # [S, KVH, D]
-        vflat = paged[1].view(-1, KVH, D)
         qg = qd.view(B, KVH, G, D)                                 # head h = kvh * G + g
         out = qd.new_empty((B, KVH, G, D))
         scale = D ** -0.5
         for i, d in enumerate(seqs):
-            # pieces of the context, [n, KVH, D] each: runs in place, then the gathered rest
-            ks = [kflat[b * bs : (b + n) * bs] for b, n in d.runs]
-            vs = [vflat[b * bs : (b + n) * bs] for b, n in d.runs]
-            if d.gather is not None:
-                m = d.gather.numel()
-                # K and V gathered separately: each lands in a contiguous prefix of its buffer
-                ks.append(torch.index_select(paged[0], 0, d.gather, out=kbuf[:m]).view(-1, KVH, D)[: d.gather_tokens])
-                vs.append(torch.index_select(paged[1], 0, d.gather, out=vbuf[:m]).view(-1, KVH, D)[: d.gather_tokens])
+            ks, vs = _context_pieces(paged, d, self._each_buf)
             if qd.dtype is not torch.float32:
                 out[i] = _attend_pieces(qd[i], ks, vs).view(KVH, G, D)
                 continue
@@ -362,6 +342,31 @@ class PagedAttention:
         return out.view(B, H, D)
 
 
+def _context_pieces(paged: torch.Tensor, seq: DecodeSeq,
+                    bufs: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A context (`split_runs`) as pieces of K and of V, [m, KVH, D] each: its runs
+    of blocks read in place, then the rest gathered (K and V separately, each into
+    a contiguous prefix of `bufs`' [2, nmax, bs, KVH, D] when given)."""
+    _, _, bs, KVH, D = paged.shape
+    kflat, vflat = paged[0].view(-1, KVH, D), paged[1].view(-1, KVH, D)     # [S, KVH, D]
+    ks = [kflat[b * bs : (b + n) * bs] for b, n in seq.runs]
+    vs = [vflat[b * bs : (b + n) * bs] for b, n in seq.runs]
+    if seq.gather is not None:
+        m = seq.gather.numel()
+        kout, vout = (bufs[0][:m], bufs[1][:m]) if bufs is not None else (None, None)
+        ks.append(torch.index_select(paged[0], 0, seq.gather, out=kout).view(-1, KVH, D)[: seq.gather_tokens])
+        vs.append(torch.index_select(paged[1], 0, seq.gather, out=vout).view(-1, KVH, D)[: seq.gather_tokens])
+    return ks, vs
+
+
+def _merge_by_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Attention over pieces of a context -> over the whole: outputs [H, n, D] and
+    their log-sum-exps [H, n] (fp32) weighed by each piece's share of the mass."""
+    w = torch.softmax(torch.stack(lses), 0).unsqueeze(-1)              # [pieces, H, n, 1]
+    o = torch.stack(outs).float()                                      # [pieces, H, n, D]
+    return (o * w).sum(0).to(outs[0].dtype)
+
+
 def _attend_pieces(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
     """One decode's query q [H, D] over its context in pieces (k, v [n, KVH, D] each, token-major
     strided views) -> [H, D]; for dtypes other than fp32. SDPA's CPU flash kernel reads the
@@ -374,10 +379,7 @@ def _attend_pieces(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tenso
         for k, v in zip(ks, vs)]
     if len(parts) == 1:
         return parts[0][0].view(H, D)
-    lse = torch.stack([p[1].view(H) for p in parts])                   # [pieces, H], fp32
-    w = torch.softmax(lse, 0).unsqueeze(-1)                            # each piece's share of the mass
-    o = torch.stack([p[0].view(H, D) for p in parts]).float()          # [pieces, H, D]
-    return (o * w).sum(0).to(q.dtype)
+    return _merge_by_lse([o[0] for o, _ in parts], [lse[0] for _, lse in parts]).view(H, D)
 
 
 def _attend_pieces_multi(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
@@ -406,7 +408,4 @@ def _attend_pieces_multi(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch
         parts.append((o, lse))
     if len(parts) == 1:
         return parts[0][0][0].transpose(0, 1)
-    lse = torch.stack([p[1][0] for p in parts])                          # [pieces, H, n], fp32
-    w = torch.softmax(lse, 0).unsqueeze(-1)                              # [pieces, H, n, 1]
-    o = torch.stack([p[0][0] for p in parts]).float()                    # [pieces, H, n, D]
-    return (o * w).sum(0).transpose(0, 1).to(q.dtype)                    # [n, H, D]
+    return _merge_by_lse([o[0] for o, _ in parts], [lse[0] for _, lse in parts]).transpose(0, 1)   # [n, H, D]
