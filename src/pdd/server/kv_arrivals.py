@@ -50,11 +50,17 @@ class KVArrivals:
         self.spec, self.engine, self.policy, self.metrics = spec, engine, policy, metrics
         self.kv_reuse = policy.enable_drc
         self.loop: EngineLoop | None = None          # set when the instance starts
+        self.after_transfer = lambda: None            # the instance's `trim_if_quiet`
         self.by_id: dict[str, KVArrival] = {}
         self._cleanups: set[asyncio.Task] = set()
 
     def __len__(self) -> int:
         return len(self.by_id)
+
+    @property
+    def importing(self) -> bool:
+        """A transfer is landing blocks now."""
+        return any(a.importer is not None and not a.ended.is_set() for a in self.by_id.values())
 
     def get(self, rid: str) -> KVArrival:
         """The request's record, created if neither its transfer nor its decode call came yet."""
@@ -190,6 +196,7 @@ class KVArrivals:
         a.ended.set()
         self._close_import(a)
         self.metrics.on_kv_received(status)
+        self.after_transfer()
         if a.warm:
             # The blocks stay in the prefix cache (committed as they landed);
             # nothing waits for them, so unpin now rather than at expiry.

@@ -25,7 +25,6 @@ from dataclasses import replace
 from pdd.engine.hashing import hash_blocks
 from pdd.engine.kv_codec import KVManifest
 from pdd.engine.request import EngineRequest, RequestStatus
-from pdd.engine.runner import trim_heap
 from pdd.server.wire import NdjsonWriter, sampling_from_dict
 from pdd.transport.kv_sender import TransferHandle
 
@@ -265,11 +264,7 @@ class PrefillJob:
     async def _report(self, name: str, link: str, handle: TransferHandle, background: bool) -> None:
         st = await handle.wait()
         self.server.metrics.on_kv_sent(link, st)
-        if self.server.sender.idle:
-            # The last copy in flight is over: hand back the pages its block
-            # reads took (the engine trims when it goes idle, which may be
-            # long before the copies it left have crossed a slow line).
-            trim_heap()
+        self.server.trim_if_quiet()
         await self.events.put({
             "event": "transfer", "target": name, "link": link, "ok": st.ok, "error": st.error or None,
             "payload_bytes": st.payload_bytes, "bytes_sent": st.bytes_sent,
