@@ -244,9 +244,19 @@ class InstanceServer:
                     await out.send({"event": "finished", "reason": ev.finish_reason, "error": ev.error,
                                     "cached_tokens": req.num_cached_tokens if req else 0, "ts": time.time()})
         finally:
-            if not finished:
-                await self.loop.abort(rid)
-            await self.loop.call(lambda e: e.forget(rid))
+            # Spawned, not awaited here: a second cancellation of the handler (its
+            # connection lost while it closes) stopped these awaits and left the
+            # request's record behind on MD (tests/test_soak.py, num_requests=1
+            # at rest, twice in two sessions).
+            self._spawn(self._release_request(rid, abort=not finished))
+
+    async def _release_request(self, rid: str, abort: bool = True) -> None:
+        """Abort (which also ends a request whose submit went through as its
+        call was cancelled, and drops the pins of an arrival already consumed)
+        and forget a request's record."""
+        if abort:
+            await self.loop.abort(rid)
+        await self.loop.call(lambda e: e.forget(rid))
 
     # -- prefill ----------------------------------------------------------------
     async def prefill(self, request: web.Request) -> web.StreamResponse:
@@ -345,14 +355,7 @@ class InstanceServer:
         landed stays in the prefix cache; a transfer still landing finishes
         as a warm push (unpinned at its END)."""
         self.arrivals.let_land(rid, "decode call ended")
-
-        async def release() -> None:
-            # abort also ends a request whose submit went through as the call
-            # was cancelled, and it drops the pins of an arrival already consumed
-            await self.loop.abort(rid)
-            await self.loop.call(lambda e: e.forget(rid))
-
-        self._spawn(release())
+        self._spawn(self._release_request(rid))
 
     def _spawn(self, coro) -> None:
         """Run a release that must outlive a cancelled handler."""
