@@ -102,7 +102,10 @@ class World:
             elif isinstance(c, PauseRld):
                 s = self.streams.get(Leg.RLD)
                 if s is not None:
-                    s.pause_limit = s.pos + self.extra_after_pause
+                    # Ahead (`at`): it makes tokens up to `at`, or stops as a
+                    # pause at once would if it is there already.
+                    s.pause_limit = s.pos + self.extra_after_pause if c.at is None \
+                        else max(c.at, s.pos + self.extra_after_pause)
             elif isinstance(c, ResumeRld):
                 s = self.streams.get(Leg.RLD)
                 if s is not None:

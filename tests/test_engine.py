@@ -170,3 +170,40 @@ def test_a_paused_decode_stops_at_once_and_resumes_exactly(tiny_model):
     evs = drain(eng)
     assert got + [e.token_id for e in evs if e.token_id is not None] == ref
     assert evs[-1].finished and evs[-1].finish_reason == "length"
+
+
+def test_a_pause_given_ahead_holds_after_that_token_and_resumes_exactly(tiny_model):
+    """extend(id, [], final=False, hold_at=n) on a running decode (a final
+    batch armed for RLD's next token): it makes tokens up to n, then starts no
+    step; a second pause changes nothing; a resume continues the greedy
+    answer exactly; a hold already passed holds at once; a resume before the
+    hold is reached cancels it."""
+    model, _ = tiny_model
+    p = prompt(9, 40)
+    ref = generate_greedy(model, p, 12)
+    eng = make_engine(tiny_model)
+    eng.submit(EngineRequest("z", p, greedy(12)))
+    got = []
+    while len(got) < 4:
+        got += [e.token_id for e in eng.step() if e.token_id is not None]
+    eng.extend("z", [], final=False, hold_at=6)
+    while eng.has_work:
+        got += [e.token_id for e in eng.step() if e.token_id is not None]
+    assert got == ref[:6] and eng.requests["z"].status.name == "HELD"
+    steps = eng.num_steps
+    eng.extend("z", [], final=False)                                           # the final batch's pause
+    assert not eng.has_work and eng.step() == [] and eng.num_steps == steps
+    eng.extend("z", [], final=False, hold_at=3)                                # passed already: held
+    assert not eng.has_work
+    eng.extend("z", [])                                                        # resume
+    evs = drain(eng)
+    assert got + [e.token_id for e in evs if e.token_id is not None] == ref
+
+    eng.submit(EngineRequest("y", p, greedy(12)))
+    eng.step()
+    with pytest.raises(InvalidRequestError, match="hold_at"):
+        eng.extend("y", [1], final=False, hold_at=2)
+    eng.extend("y", [], final=False, hold_at=8)
+    eng.extend("y", [])                                                        # disarmed before 8
+    evs = drain(eng)
+    assert [e.token_id for e in evs if e.token_id is not None] == ref[1:]

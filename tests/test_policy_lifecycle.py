@@ -146,19 +146,48 @@ def test_the_final_batch_goes_with_rlds_next_token():
     lc.handle(TransferEnded(0.6, "r0", True))
     rld_tokens(lc, 0, 5)
     lc.handle(TransferEnded(1.5, "m0", True))
-    # MD is ready mid-way through RLD's inter-token gap: nothing goes yet ...
+    # MD is ready mid-way through RLD's inter-token gap: no batch goes yet;
+    # RLD is told to hold once it has made its next token (6 tokens) ...
     out = lc.handle(KvReady(1.6, rld_view()))
-    assert of(out, PauseRld) == [] and of(out, ExtendMd) == [] and lc.stop_at is None
-    # ... RLD's token 5 is shown, and right behind it the final batch leaves.
+    assert of(out, PauseRld) == [PauseRld("r0", at=6)] and of(out, ExtendMd) == [] and lc.stop_at is None
+    # ... RLD's token 5 is shown, and right behind it the final batch leaves
+    # (no second pause: the hold went first, in RLD's lane).
     out = rld_tokens(lc, 5, 6)
     assert emitted(out) == [(5, ref(5), Leg.RLD)]
-    assert of(out, PauseRld) == [PauseRld("r0")]
+    assert of(out, PauseRld) == []
     assert of(out, ExtendMd) == [ExtendMd("m0", tuple(ref(i) for i in range(1, 6)), True)]
     assert lc.stop_at == 6
     assert emitted(rld_tokens(lc, 6, 7)) == []            # held back: MD makes token 6
     out = md_tokens(lc, 6, 20)
     assert emitted(out) == [(i, ref(i), Leg.MD) for i in range(6, 20)]
     assert lc.handle(DecodeEnded(3.0, Leg.MD, EndReason.LENGTH))[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH)
+
+
+def test_a_hold_ahead_that_no_final_batch_follows_resumes_rld():
+    """Armed at 10 (RLD holds at 11), but RLD's token 10 leaves MD at most
+    `catchup_final_max_tokens` of the bound: no final batch, RLD resumes and
+    ends the request. And MD failing while armed resumes RLD too."""
+    cfg = PolicyConfig(catchup_final_max_tokens=2)
+    lc, _ = started(RELAY, max_tokens=13, cfg=cfg)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 10)
+    out = lc.handle(KvReady(1.0, rld_view()))
+    assert of(out, PauseRld) == [PauseRld("r0", at=11)] and of(out, ExtendMd) == []
+    out = rld_tokens(lc, 10, 11)
+    assert of(out, ResumeRld) == [ResumeRld("r0")] and of(out, ExtendMd) == [] and lc.rld_hold_at is None
+    out = rld_tokens(lc, 11, 13) + lc.handle(DecodeEnded(1.6, Leg.RLD, EndReason.LENGTH))
+    assert out[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH) and lc.tokens == [ref(i) for i in range(13)]
+
+    lc, _ = started(RELAY, max_tokens=40, cfg=cfg)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 10)
+    assert of(lc.handle(KvReady(1.0, rld_view())), PauseRld) == [PauseRld("r0", at=11)]
+    out = lc.handle(DecodeEnded(1.1, Leg.MD, EndReason.ERROR, "MD died"))
+    assert ResumeRld("r0") in out and Abort(Leg.MD, "m0") in out
+    out = rld_tokens(lc, 10, 40) + lc.handle(DecodeEnded(2.0, Leg.RLD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(40)] and out[-1].reason is FinishReason.LENGTH
 
 
 def test_relay_catch_up_handoff_sends_batches_until_the_gap_is_small():

@@ -135,7 +135,14 @@ def test_the_log_of_one_relayed_request_tells_its_story(tmp_path):
                 and all(e.get(k) == v for k, v in fields.items())]
 
     def steps(iid: str) -> list[int]:
-        return at("StepEnd", instance_id=iid)
+        """The step ends that ran: a macro step cut short at a boundary leaves
+        its first planned end queued under an older version (ignored)."""
+        live, newest = [], -1
+        for i in at("StepEnd", instance_id=iid):
+            if log[i]["version"] >= newest:
+                live.append(i)
+                newest = log[i]["version"]
+        return live
 
     assert types[0] == "Arrival" and log[0]["request_id"] == "r1"
     # P's two copies: to RLD over the local RDMA line, to MD over the WAN,

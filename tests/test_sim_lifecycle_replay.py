@@ -126,7 +126,7 @@ def test_the_replayed_runs_cover_the_lifecycle_paths(runs):
         if r.pipeline in ("direct_failover_relay", "relay_only"):
             assert r.rld_tokens == r.output_tokens and r.wan_bytes == 0
     words = Counter(w for log in logs for w in set(log))
-    for w in ("note:md_ready:one_shot", "note:md_ready:catch_up", "extend", "extend_final", "pause:rld",
+    for w in ("note:md_ready:one_shot", "note:md_ready:catch_up", "extend", "extend_final", "pause_at:rld",
               "note:handoff_complete", "emit:md", "note:md_parked", "abort:md:keep_kv", "note:md_dropped",
               "abort:rld", "note:failover", "start_transfer"):
         assert words[w] > 0, w

@@ -92,7 +92,7 @@ def test_sim_and_servers_decide_alike(tmp_path, tiny_model_dir):
         "r4": ("relay", "catch_up")}
     assert sim["r1"][2] == sim["r4"][2] == (
         "opendecode:rld", "opendecode:md", "start_prefill:kv+kv", "emit:rld", "note:kv_ready",
-        "note:md_ready:catch_up", "extend", "extend_final", "pause:rld", "note:handoff_complete",
+        "note:md_ready:catch_up", "extend", "pause_at:rld", "extend_final", "note:handoff_complete",
         "closestream:rld", "abort:rld", "emit:md", "finish:relay:length")
     assert sim["r2"][2] == ("opendecode:md", "start_prefill:kv", "emit:p", "note:kv_ready", "emit:md",
                             "finish:direct:length")

@@ -100,13 +100,29 @@ class Engine:
         if -(-req.num_tokens // self.cfg.block_size) > self.cfg.num_blocks:
             raise InvalidRequestError(f"prompt of {req.num_tokens} tokens exceeds the KV pool")
 
-    def extend(self, request_id: str, token_ids: list[int], final: bool = True) -> None:
+    def extend(self, request_id: str, token_ids: list[int], final: bool = True,
+               hold_at: int | None = None) -> None:
         """Append tokens produced elsewhere; their KV is computed in one pass.
         With final=False the request stays held (no sampling) for more batches;
-        extend(id, [], final=False) pauses a running request, extend(id, []) resumes it."""
+        extend(id, [], final=False) pauses a running request, extend(id, []) resumes it.
+        A pause with `hold_at` lets a running decode go on until it has made
+        `hold_at` output tokens and holds it then (at once if it has them)."""
         req = self._get(request_id)
         if req.status.finished:
             raise InvalidRequestError(f"request {request_id!r} has finished")
+        if hold_at is not None and (token_ids or final):
+            raise InvalidRequestError("hold_at goes with a pause only (no token ids, final=false)")
+        pause = not final and not token_ids
+        if pause and req.status == RequestStatus.HELD:
+            return                      # paused already: a second pause changes nothing
+        if pause and hold_at is not None and req.status == RequestStatus.RUNNING \
+                and req.num_output_tokens < hold_at:
+            req.hold_at_output = hold_at
+            return
+        req.hold_at_output = None
+        if final and not token_ids and req.status == RequestStatus.RUNNING and not req.hold \
+                and req.num_uncomputed <= 1:
+            return                      # resuming one that had not stopped yet: it runs on
         bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool)
                                             and 0 <= t < self.model_cfg.vocab_size)]
         if bad:
@@ -254,6 +270,12 @@ class Engine:
         if status is not None:
             self._finish(req, status)
             return [StepEvent(req.request_id, tok, index, True, status_reason(status))]
+        if req.hold_at_output is not None and req.num_output_tokens >= req.hold_at_output:
+            # A pause given ahead (`extend(hold_at=...)`): held as a pause at
+            # once would hold it, its sampled token's KV not yet computed.
+            req.hold_at_output = None
+            req.hold = True
+            req.status = RequestStatus.HELD
         return [StepEvent(req.request_id, tok, index)]
 
     def _stop_status(self, req: EngineRequest, tok: int) -> RequestStatus | None:

@@ -118,6 +118,8 @@ class EngineRequest:
     error: str | None = None
     # A handoff's final extend (or a resume): scheduled alone, at once.
     urgent: bool = False
+    # A pause given ahead: held once this many output tokens exist.
+    hold_at_output: int | None = None
 
     def __post_init__(self):
         if not self.token_ids:

@@ -200,7 +200,13 @@ class ExtendMd:
 
 @dataclass(frozen=True)
 class PauseRld:
+    """Stop RLD's decode of this request, keeping its KV. `at`: once RLD has
+    made `at` output tokens (at once if it already has): sent when a final
+    batch is armed, so RLD makes the token the batch goes with and then
+    starts no step that MD's extend would have to share the core with.
+    None: at once (after the step under way)."""
     instance_id: str
+    at: int | None = None
 
 
 @dataclass(frozen=True)

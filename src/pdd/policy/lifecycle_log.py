@@ -48,10 +48,12 @@ def entry(cmd: io.Command) -> str:
         return f"{type(cmd).__name__.lower()}:{cmd.leg.value}"
     if isinstance(cmd, io.Abort):
         return f"abort:{cmd.leg.value}" + (":keep_kv" if cmd.keep_kv else "")
+    if isinstance(cmd, io.PauseRld):
+        return "pause:rld" if cmd.at is None else "pause_at:rld"
     if isinstance(cmd, io.StartPrefill):
         return "start_prefill:" + "+".join("warm" if t.warm_blocks else "kv" for t in cmd.targets)
     return {io.StartTransfer: "start_transfer", io.CancelTransfer: "cancel_transfer",
-            io.PauseRld: "pause:rld", io.ResumeRld: "resume:rld", io.ReleaseP: "release_p",
+            io.ResumeRld: "resume:rld", io.ReleaseP: "release_p",
             io.WanFailed: "wan_failed"}[type(cmd)]
 
 

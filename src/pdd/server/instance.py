@@ -365,8 +365,11 @@ class InstanceServer:
         body = await request.json()
         rid, final = str(body.get("request_id")), bool(body.get("final", True))
         ids = [int(t) for t in body.get("token_ids", [])]
+        hold_at = body.get("hold_at")
+        if hold_at is not None and (not isinstance(hold_at, int) or isinstance(hold_at, bool) or hold_at < 0):
+            return bad_request(f"hold_at must be a non-negative integer, got {hold_at!r}")
         try:
-            await self.loop.call(lambda e: e.extend(rid, ids, final=final))
+            await self.loop.call(lambda e: e.extend(rid, ids, final=final, hold_at=hold_at))
         except InvalidRequestError as e:
             return bad_request(str(e), 409)
         return web.json_response({"ok": True})

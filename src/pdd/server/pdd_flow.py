@@ -291,7 +291,8 @@ class PddRun:
                             answered_s=round(time.monotonic() - t0, 4))
         elif isinstance(cmd, io.PauseRld):
             await self.post(c.members[cmd.instance_id], "/internal/extend",
-                            {"request_id": rid, "token_ids": [], "final": False})
+                            {"request_id": rid, "token_ids": [], "final": False}
+                            | ({} if cmd.at is None else {"hold_at": cmd.at}))
         elif isinstance(cmd, io.ResumeRld):
             await self.post(c.members[cmd.instance_id], "/internal/extend", {"request_id": rid, "token_ids": []})
         elif isinstance(cmd, io.Abort):

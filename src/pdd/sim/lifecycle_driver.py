@@ -212,7 +212,7 @@ class LifecycleDriverMixin:
             elif isinstance(cmd, io.ExtendMd):
                 evs += self._extend(req, cmd)
             elif isinstance(cmd, (io.PauseRld, io.ResumeRld)):
-                evs += self._pause(req, isinstance(cmd, io.PauseRld), now)
+                evs += self._pause(req, cmd, now)
             elif isinstance(cmd, io.ReleaseP):
                 evs += self._release_p(req, now)
             elif isinstance(cmd, io.WanFailed):
@@ -274,15 +274,19 @@ class LifecycleDriverMixin:
         md.add_job(job)
         return self._kick(md, t)
 
-    def _pause(self, req: SimRequest, pause: bool, now: float) -> list[Event]:
+    def _pause(self, req: SimRequest, cmd: io.PauseRld | io.ResumeRld, now: float) -> list[Event]:
         if io.Leg.RLD not in req.seqs:
             return []
         iid, seq = req.seqs[io.Leg.RLD]
         rld = self.instances[iid]
-        if pause:
-            seq.stop_at = req.lc.stop_at
-            rld.stop_decoding(seq)
-            return []
+        if isinstance(cmd, io.PauseRld):
+            seq.stop_at = req.lc.stop_at if cmd.at is None else cmd.at
+            if cmd.at is None or seq.tokens_left() <= 0:
+                rld.stop_decoding(seq)
+                return []
+            # Held once it has made `at` tokens: a macro step under way ends at
+            # the next boundary; the next step's plan stops there.
+            return self._kick(rld, now) if rld.busy else []
         seq.stop_at = None
         rld.start_decoding(seq)
         return self._kick(rld, now)

@@ -134,17 +134,25 @@ class VllmEngine:
         rec.status, rec.in_vllm, rec.started = RequestStatus.RUNNING, True, False
         rec.num_prompt_tokens = len(rec.token_ids)
 
-    def extend(self, request_id: str, token_ids: list[int], final: bool = True) -> None:
+    def extend(self, request_id: str, token_ids: list[int], final: bool = True,
+               hold_at: int | None = None) -> None:
         """Tokens made elsewhere (RLD's eager tokens) for a held request; with
         final=False it stays held for more. extend(id, [], final=False) pauses
         a running request (vLLM drops it; its blocks stay in the prefix
         cache) and extend(id, []) resumes it: a new vLLM request over the same
-        tokens, which finds them cached but the last partial block."""
+        tokens, which finds them cached but the last partial block. A pause
+        with `hold_at` lets it run until it has made that many output tokens."""
         rec = self.requests.get(request_id)
         if rec is None:
             raise InvalidRequestError(f"unknown request id {request_id!r}")
         if rec.status.finished:
             raise InvalidRequestError(f"request {request_id!r} has finished")
+        if hold_at is not None and (token_ids or final):
+            raise InvalidRequestError("hold_at goes with a pause only (no token ids, final=false)")
+        if rec.in_vllm and hold_at is not None and rec.num_output_tokens < hold_at:
+            rec.hold_at = hold_at
+            return
+        rec.hold_at = None
         bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool)
                                             and 0 <= t < self.model_cfg.vocab_size)]
         if bad:
@@ -288,6 +296,9 @@ class VllmEngine:
                 events.append(StepEvent(rec.request_id, token_id=int(tok), index=rec.num_output_tokens))
                 rec.num_output_tokens += 1
                 rec.token_ids.append(int(tok))
+            if not out.finished and rec.hold_at is not None and rec.num_output_tokens >= rec.hold_at:
+                self.llm.abort_request([rec.request_id])      # a pause given ahead: held now
+                rec.in_vllm, rec.status, rec.hold_at = False, RequestStatus.HELD, None
             if out.finished:
                 rec.in_vllm = False
                 rec.status = FINISH_STATUS.get(comp.finish_reason, RequestStatus.FINISHED_ERROR)

@@ -24,6 +24,7 @@ class VllmRequestRecord:
     started: bool = False                                 # its first step with output has been seen
     sampling: SamplingParams | None = None
     in_vllm: bool = False                                 # vLLM runs it now (not held, not finished)
+    hold_at: int | None = None                            # a pause given ahead: held at this many outputs
 
     num_preemptions: int = 0                              # vLLM's preemptions are not seen from here
 
