@@ -67,6 +67,62 @@ def test_throughput_matches_configured_rate_on_a_shared_line():
     run(main())
 
 
+def test_control_connections_do_not_queue_behind_bulk_bytes():
+    """One connection keeps ~0.25-0.5 s of bytes queued on a 2 MB/s line; a small
+    request and its echo on a control connection cross in about one round
+    trip; on a bulk connection the request waits behind the queue."""
+    async def main():
+        async def echo(reader, writer):
+            try:
+                while data := await reader.read(1024):
+                    writer.write(data)
+                    await writer.drain()
+            except ConnectionError:
+                pass
+            writer.close()
+        stats = {}
+        sink = await sink_server(stats)
+        server = await asyncio.start_server(echo, "127.0.0.1", 0)
+        link = WanLink(rate_bytes_s=2e6, latency_s=0.02, jitter_s=0)
+        bulk_port = await link.add_mapping(0, "127.0.0.1", sink.sockets[0].getsockname()[1])
+        echo_port = server.sockets[0].getsockname()[1]
+        ctl_port = await link.add_mapping(0, "127.0.0.1", echo_port, control=True)
+        plain_port = await link.add_mapping(0, "127.0.0.1", echo_port)
+
+        async def rtt(port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"x")                # connect through the relay first
+            await reader.readexactly(1)
+            t0 = time.monotonic()
+            writer.write(b"p" * 512)
+            await reader.readexactly(512)
+            writer.close()
+            return time.monotonic() - t0
+        try:
+            _, bw = await asyncio.open_connection("127.0.0.1", bulk_port)
+            done = asyncio.Event()
+
+            async def flood():
+                stop = time.monotonic() + 8
+                while not done.is_set() and time.monotonic() < stop:
+                    bw.write(b"k" * 65536)
+                    await bw.drain()
+            task = asyncio.create_task(flood())
+            await asyncio.sleep(1.0)          # the bulk connection's queue is full
+            ctl, plain = await rtt(ctl_port), await rtt(plain_port)
+            done.set()
+            await task
+            bw.close()
+            assert ctl < 0.1, ctl             # 2 x 20 ms, plus serialization
+            assert plain > 0.2, plain         # behind 0.5-1 MB of queued bulk bytes
+        finally:
+            await link.close()
+            for s in (server, sink):
+                s.close()
+                await s.wait_closed()
+    run(main())
+
+
 def test_ping_pong_rtt_is_twice_the_latency():
     async def main():
         echo_done = asyncio.Event()

@@ -44,3 +44,16 @@ def test_reconfigure_cut_restore_and_unlimited():
     with pytest.raises(ValueError):
         sh.configure(latency_s=-1)
     assert DEFAULT_RATE_BYTES_S == 50e6  # 400 Mbit/s: a 190 MB uncached 4K prompt takes ~3.8 s
+
+
+def test_priority_bytes_go_ahead_of_queued_bulk_and_take_their_share():
+    """A 1 KB control message handed over behind 0.5 s of queued KV bytes
+    arrives after its latency (and its own serialization), not after the
+    queue; bulk bytes handed over after it wait for its share of the line."""
+    sh = Shaper(rate_bytes_s=1_000_000, latency_s=0.02, jitter_s=0, burst_bytes=1)
+    assert sh.schedule(0.0, 500_000) == pytest.approx(0.52, abs=1e-5)            # bulk: 0.5 s queued
+    assert sh.schedule(0.1, 1_000, priority=True) == pytest.approx(0.121, abs=1e-5)
+    assert sh.schedule(0.1, 1_000) == pytest.approx(0.522, abs=1e-5)             # bulk after it: 2 KB queued
+    assert sh.schedule(0.2, 1_000, priority=True) == pytest.approx(0.221, abs=1e-5)
+    sh.cut()
+    assert sh.schedule(0.3, 10, priority=True) == math.inf

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdd.deploy.spec import DeploymentSpec, load_spec
-from pdd.deploy.topology import relay_mappings
+from pdd.deploy.topology import is_control_mapping, relay_mappings
 from pdd.keys import DeploymentKeys
 
 if TYPE_CHECKING:
@@ -143,7 +143,8 @@ class Deployment:
                               "--control-port", str(link.control_port), "--secret-file", str(secret_file),
                               "--name", f"wan{k}"]
                 for lp, host, tp in relay_mappings(spec, link):
-                    cmd += ["--listen", f"{lp}:{host}:{tp}"]
+                    control = link.priority_control and is_control_mapping(link, lp)
+                    cmd += ["--listen-control" if control else "--listen", f"{lp}:{host}:{tp}"]
                 dep._spawn(f"wan{k}", cmd, f"http://{link.relay_host}:{link.control_port}/health", env,
                            signer=(dep.keys.wan_control, f"wan{k}"))
             extra = ["--override", json.dumps(overrides)] if overrides else []

@@ -69,6 +69,10 @@ class LinkSpec:
     relay_host: str = "127.0.0.1"
     relay_port_base: int = 8400
     control_port: int = 8399
+    # The instances' HTTP calls (control calls, token streams) cross in a
+    # priority class ahead of queued bulk bytes (KV copies), as a managed WAN
+    # marks its control traffic; false: one FIFO queue for everything.
+    priority_control: bool = True
 
 
 class TlsMode(str, enum.Enum):
@@ -257,6 +261,7 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
             cost_per_hour=_take(d, "cost_per_hour", float, w, 0.0),
             relay_host=_take(d, "relay_host", str, w, "127.0.0.1"),
             relay_port_base=_port(d, "relay_port_base", w, 8400), control_port=_port(d, "control_port", w, 8399),
+            priority_control=_take(d, "priority_control", bool, w, True),
         )
         if link.bandwidth_mbps <= 0 or link.latency_ms < 0 or link.jitter_ms < 0:
             raise SpecError(f"{w}: bandwidth must be > 0, latency and jitter >= 0")

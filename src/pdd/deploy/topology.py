@@ -44,6 +44,11 @@ def relay_mappings(spec: DeploymentSpec, link: LinkSpec) -> list[tuple[int, str,
     return out
 
 
+def is_control_mapping(link: LinkSpec, listen_port: int) -> bool:
+    """An instance's HTTP port (control calls, token streams), not its KV port."""
+    return (listen_port - link.relay_port_base) % 2 == 0
+
+
 def copy_pace(spec: DeploymentSpec) -> dict[str, float]:
     """Per line label, the rate at which each P writes the copies that yield
     that line (`pdd.policy.line_order.copy_pace_bytes_s`): the WAN's rate

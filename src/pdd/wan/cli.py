@@ -31,6 +31,10 @@ def parse_listen(spec: str) -> tuple[int, str, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", action="append", type=parse_listen, default=[], metavar="PORT:HOST:PORT",
                         help="relay clients in datacenter A to a server in B (repeatable)")
+    parser.add_argument("--listen-control", action="append", type=parse_listen, default=[],
+                        metavar="PORT:HOST:PORT",
+                        help="as --listen, in the priority class: its bytes go ahead of bulk bytes queued on "
+                             "the line (HTTP control calls and token streams beside KV copies)")
     parser.add_argument("--listen-back", action="append", type=parse_listen, default=[], metavar="PORT:HOST:PORT",
                         help="relay clients in B to a server in A (uses the B->A direction)")
     parser.add_argument("--host", default="127.0.0.1", help="address the relay and control API bind to")
@@ -49,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    if not args.listen and not args.listen_back:
+    if not args.listen and not args.listen_back and not args.listen_control:
         print("pdd wan: give at least one --listen or --listen-back", file=sys.stderr)
         return 2
     key = None
@@ -74,9 +78,10 @@ async def _serve(args: argparse.Namespace, key: bytes | None) -> int:
                    jitter_s=args.jitter_ms / 1e3, burst_bytes=int(args.burst_kb * 1024), seed=args.seed)
     control = None
     try:
-        for (port, host, target_port), reverse in [(m, False) for m in args.listen] + \
-                                                  [(m, True) for m in args.listen_back]:
-            await link.add_mapping(port, host, target_port, listen_host=args.host, reverse=reverse)
+        for (port, host, target_port), reverse, control in [(m, False, False) for m in args.listen] + \
+                                                           [(m, False, True) for m in args.listen_control] + \
+                                                           [(m, True, False) for m in args.listen_back]:
+            await link.add_mapping(port, host, target_port, listen_host=args.host, reverse=reverse, control=control)
         if key is not None:
             from pdd.wan.control import DEFAULT_NAME, ControlServer
 

@@ -2,6 +2,7 @@
 
     src.data_received -> push: shaper.schedule(now, n) -> queue (delivery time, chunk)
     timer at the head's delivery time -> flush: write what is due to dst
+    (in order: a chunk never overtakes the one before it on this pipe)
     src EOF -> forwarded once everything before it is delivered
 The pipe stops reading its source while it holds more than about one
 bandwidth-delay product (plus a small router buffer), or while dst's socket
@@ -50,8 +51,9 @@ def reset_transport(transport: asyncio.BaseTransport | None) -> None:
 
 
 class Pipe:
-    def __init__(self, link: "WanLink", src: "_Side", dst: "_Side", a_to_b: bool):
+    def __init__(self, link: "WanLink", src: "_Side", dst: "_Side", a_to_b: bool, priority: bool = False):
         self.link, self.src, self.dst, self.a_to_b = link, src, dst, a_to_b
+        self.priority = priority        # the line's priority class (`Shaper.schedule`)
         self.shaper = link.shaper_a_to_b if a_to_b else link.shaper_b_to_a
         self.queue: deque[tuple[float, bytes]] = deque()
         self.held: list[bytes] = []  # blackhole: not yet on the line
@@ -67,7 +69,7 @@ class Pipe:
         if self.link.blackholed:
             self.held.append(data)
         else:
-            self.queue.append((self.shaper.schedule(self.link.loop.time(), len(data)), data))
+            self.queue.append((self.shaper.schedule(self.link.loop.time(), len(data), self.priority), data))
             if self.timer is None:
                 self.flush()
         self.update_reading()

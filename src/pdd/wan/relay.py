@@ -86,8 +86,9 @@ class _Relayed:
     def __init__(self, link: "WanLink", client: _Side, upstream: _Side, reverse: bool):
         self.link, self.client, self.upstream = link, client, upstream
         client.conn = upstream.conn = self
-        self.up = Pipe(link, client, upstream, a_to_b=not reverse)
-        self.down = Pipe(link, upstream, client, a_to_b=reverse)
+        control = client.mapping is not None and client.mapping.control
+        self.up = Pipe(link, client, upstream, a_to_b=not reverse, priority=control)
+        self.down = Pipe(link, upstream, client, a_to_b=reverse, priority=control)
         self.closed = False
 
     def pipe_into(self, side: _Side) -> Pipe:
@@ -120,6 +121,7 @@ class _Mapping:
     target_port: int
     reverse: bool
     server: asyncio.Server | None = None
+    control: bool = False        # priority class (`Shaper.schedule`), both directions
 
 
 class WanLink:
@@ -136,10 +138,11 @@ class WanLink:
         self._tasks: set[asyncio.Task] = set()
 
     async def add_mapping(self, listen_port: int, target_host: str, target_port: int, *,
-                          listen_host: str = "127.0.0.1", reverse: bool = False) -> int:
-        """Relay listen_port -> target; returns the bound port (listen_port 0: any)."""
+                          listen_host: str = "127.0.0.1", reverse: bool = False, control: bool = False) -> int:
+        """Relay listen_port -> target; returns the bound port (listen_port 0: any).
+        `control`: its connections' bytes, both ways, go in the priority class."""
         self.loop = asyncio.get_running_loop()
-        mapping = _Mapping(listen_port, target_host, target_port, reverse)
+        mapping = _Mapping(listen_port, target_host, target_port, reverse, control=control)
         mapping.server = await self.loop.create_server(lambda: _Side(self, mapping), listen_host, listen_port)
         mapping.listen_port = mapping.server.sockets[0].getsockname()[1]
         self.mappings.append(mapping)

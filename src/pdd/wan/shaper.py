@@ -95,16 +95,34 @@ class Shaper:
         self._tokens -= nbytes
         return now if self._tokens >= 0 else now + -self._tokens / self.rate_bytes_s
 
-    def schedule(self, now: float, nbytes: int) -> float:
+    def schedule(self, now: float, nbytes: int, priority: bool = False) -> float:
+        """Bulk bytes queue behind everything handed to the line before them
+        (one FIFO). `priority` bytes (a managed WAN's control class: small
+        HTTP calls and token streams) go ahead of queued bulk bytes: they
+        depart after their own serialization time and take their share of the
+        bucket, so bulk bytes handed over after them wait that much longer
+        (bulk bytes already scheduled keep their times: a control message
+        overshoots the rate by its own size). Order within one connection is
+        the relay pipe's (FIFO per pipe)."""
         if self.is_cut:
             return math.inf
+        if priority:
+            now = self._refill(now)
+            serialize_s = 0.0
+            if self.rate_bytes_s is not None:
+                self._tokens -= nbytes
+                serialize_s = nbytes / self.rate_bytes_s
+            self.num_bytes_scheduled += nbytes
+            return now + serialize_s + self._delay()
         depart_s = self.departure(now, nbytes)
-        delay_s = self.latency_s
-        if self.jitter_s > 0:
-            delay_s = max(0.0, delay_s + self._rng.uniform(-self.jitter_s, self.jitter_s))
-        self._last_delivery_s = max(self._last_delivery_s, depart_s + delay_s)
+        self._last_delivery_s = max(self._last_delivery_s, depart_s + self._delay())
         self.num_bytes_scheduled += nbytes
         return self._last_delivery_s
+
+    def _delay(self) -> float:
+        if self.jitter_s > 0:
+            return max(0.0, self.latency_s + self._rng.uniform(-self.jitter_s, self.jitter_s))
+        return self.latency_s
 
     def backlog_s(self, now: float) -> float:
         """How long bytes handed over now wait for the bucket (0 when idle)."""
