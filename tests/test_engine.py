@@ -150,19 +150,26 @@ def test_bad_input_is_refused_and_engine_keeps_serving(tiny_model):
     assert eng.requests["ok"].finish_reason == "length"
 
 
-def test_a_paused_decode_stops_at_once_and_resumes_exactly(tiny_model):
-    """extend(id, [], final=False) on a running decode (RLD paused for a
-    handoff's final batch): no further step computes its sampled token; with
-    nothing else to run the engine is idle; a resume continues the greedy
-    answer exactly."""
+def _decoding(tiny_model, n: int):
+    """An engine decoding request "z" greedily (12 tokens), `n` of them out:
+    (engine, prompt, the reference answer, the tokens so far)."""
     model, _ = tiny_model
     p = prompt(9, 40)
     ref = generate_greedy(model, p, 12)
     eng = make_engine(tiny_model)
     eng.submit(EngineRequest("z", p, greedy(12)))
     got = []
-    while len(got) < 5:
+    while len(got) < n:
         got += [e.token_id for e in eng.step() if e.token_id is not None]
+    return eng, p, ref, got
+
+
+def test_a_paused_decode_stops_at_once_and_resumes_exactly(tiny_model):
+    """extend(id, [], final=False) on a running decode (RLD paused for a
+    handoff's final batch): no further step computes its sampled token; with
+    nothing else to run the engine is idle; a resume continues the greedy
+    answer exactly."""
+    eng, p, ref, got = _decoding(tiny_model, 5)
     steps = eng.num_steps
     eng.extend("z", [], final=False)
     assert not eng.has_work and eng.step() == [] and eng.num_steps == steps    # no step ran
@@ -178,14 +185,7 @@ def test_a_pause_given_ahead_holds_after_that_token_and_resumes_exactly(tiny_mod
     step; a second pause changes nothing; a resume continues the greedy
     answer exactly; a hold already passed holds at once; a resume before the
     hold is reached cancels it."""
-    model, _ = tiny_model
-    p = prompt(9, 40)
-    ref = generate_greedy(model, p, 12)
-    eng = make_engine(tiny_model)
-    eng.submit(EngineRequest("z", p, greedy(12)))
-    got = []
-    while len(got) < 4:
-        got += [e.token_id for e in eng.step() if e.token_id is not None]
+    eng, p, ref, got = _decoding(tiny_model, 4)
     eng.extend("z", [], final=False, hold_at=6)
     while eng.has_work:
         got += [e.token_id for e in eng.step() if e.token_id is not None]
