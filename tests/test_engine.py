@@ -199,6 +199,13 @@ def test_a_pause_given_ahead_holds_after_that_token_and_resumes_exactly(tiny_mod
     evs = drain(eng)
     assert got + [e.token_id for e in evs if e.token_id is not None] == ref
 
+    eng.submit(EngineRequest("w", p, greedy(12)))
+    eng.extend("w", [], final=False, hold_at=2)                                # not admitted yet
+    evs = drain(eng)
+    assert [e.token_id for e in evs if e.token_id is not None] == ref[:2]
+    assert eng.requests["w"].status.name == "HELD"
+    eng.abort("w")
+
     eng.submit(EngineRequest("y", p, greedy(12)))
     eng.step()
     with pytest.raises(InvalidRequestError, match="hold_at"):

@@ -115,8 +115,8 @@ class Engine:
         pause = not final and not token_ids
         if pause and req.status == RequestStatus.HELD:
             return                      # paused already: a second pause changes nothing
-        if pause and hold_at is not None and req.status == RequestStatus.RUNNING \
-                and req.num_output_tokens < hold_at:
+        if pause and hold_at is not None and req.num_output_tokens < hold_at \
+                and req.status in (RequestStatus.RUNNING, RequestStatus.WAITING):
             req.hold_at_output = hold_at
             return
         req.hold_at_output = None
