@@ -48,8 +48,11 @@ def _ctx(kv: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
 def test_rows_hold_the_pool_kv_and_survive_only_consecutive_decodes():
     kv = _pool()
     rows = DecodeRows(L, KVH, D, torch.float32, BS, max_tokens=256, headroom=8)
+    rows.reserve()                                      # a decode instance at start-up
+    store = rows._store.data_ptr()
     a, b = [3, 9, 1], [20, 4]
     plan = rows.prepare([("a", 10, a), ("b", 6, b)], kv)
+    assert rows.buf.data_ptr() == store                 # the first layout is a view of it
     assert plan.num_rows == 2 and plan.to_rows is None and rows.num_refills == 2
     assert torch.equal(_row(rows, 0, 9), _ctx(kv, a, 9)) and torch.equal(_row(rows, 1, 5), _ctx(kv, b, 5))
     assert plan.slots.tolist() == _slots(rows, [(0, 9), (1, 5)])
@@ -117,11 +120,15 @@ def test_engine_with_rows_equals_the_reference_and_the_gathering_path(tiny_model
     # a row is filled when its request joins the decode batch (and again after a
     # mixed step's chunking or a reallocation), never once per decoded token
     assert with_rows.runner.rows.num_refills < sum(max_tokens.values()) // 4
-    # out of work: the buffer is handed back, and the next batch makes a new one
-    assert with_rows.runner.rows.buf is None
+    # out of work: the rows are forgotten but the storage is kept (re-making it
+    # faulted its pages in again on the next request's first decode), and the
+    # next batch refills its rows in it
+    rows = with_rows.runner.rows
+    store, refills = rows._store.data_ptr(), rows.num_refills
+    assert all(h is None for h in rows.held)
     again = {"x": prompts["r1"]}
     assert _run(with_rows, again, {"x": 6}) == {"x": want["r1"][:6]}
-    assert with_rows.runner.rows.buf is None and with_rows.runner.rows.num_refills > 0
+    assert rows._store.data_ptr() == store and rows.num_refills > refills
 
 
 def test_rows_survive_preemption_with_identical_tokens(tiny_model):

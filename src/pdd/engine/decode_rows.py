@@ -30,11 +30,13 @@ K/V in a row; a KV import into a block a row was copied from drops that row
 are always 0..B-1 (attention takes the first B rows), which `prepare` keeps by
 moving a surviving row down when a lower one frees up.
 
-Memory: at most `max_tokens` rows x row length (4096 padded tokens by
-default: 94 MB in bf16, 189 MB in fp32 for SmolLM2-135M's 30 layers); a
-batch that does not fit falls back to gathering (`prepare` returns None).
-The buffer is handed back whenever the engine runs out of work (`release`),
-so an idle instance does not hold it.
+Memory: `max_tokens` padded tokens (rows x row length; 4096 by default:
+94 MB in bf16, 189 MB in fp32 for SmolLM2-135M's 30 layers), made at the
+first decode and kept: a new layout (more rows, a longer row) is a view of
+the same storage, and an idle engine forgets its rows but keeps the storage
+(`release`), so a request's first decode step fills its row without
+faulting fresh pages in. A batch that does not fit falls back to gathering
+(`prepare` returns None).
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ import torch
 # attend through the block table as before (long contexts go one sequence at a
 # time there, reading runs of blocks in place).
 DECODE_ROWS_MAX_TOKENS = 4096
-# Free tokens a row gets at the end when the buffer is (re)allocated, so that
-# it is re-made (a full gather) once per this many steps, not every step.
-ROW_HEADROOM = 64
+# Free tokens a row gets at the end when the rows are (re)laid out, so that
+# they are re-made (a full gather) once per this many steps, not every step.
+# None: all the storage leaves (attention reads a row only up to the step's
+# longest context, so a long row costs nothing but the room).
+ROW_HEADROOM: int | None = None
 
 
 @dataclass
@@ -70,13 +74,14 @@ class RowsPlan:
 
 class DecodeRows:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 block_size: int, max_tokens: int = DECODE_ROWS_MAX_TOKENS, headroom: int = ROW_HEADROOM):
+                 block_size: int, max_tokens: int = DECODE_ROWS_MAX_TOKENS, headroom: int | None = ROW_HEADROOM):
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.dtype = dtype
         self.block_size = block_size
         self.max_tokens = max_tokens
         self.headroom = headroom
-        self.buf: torch.Tensor | None = None      # [L, 2, num_rows_cap, KVH, row_len, D]
+        self._store: torch.Tensor | None = None   # max_tokens tokens of K/V, made once, kept
+        self.buf: torch.Tensor | None = None      # [L, 2, num_rows_cap, KVH, row_len, D], a view of it
         self.layers: list[torch.Tensor] = []      # buf[l] per layer
         self.flat: list[torch.Tensor] = []        # buf[l] as [2 * num_rows_cap * KVH * row_len, D]
         self.row_len = 0
@@ -87,13 +92,24 @@ class DecodeRows:
         self.num_refills = 0                       # rows filled from the pool (for tests and profiles)
 
     def release(self) -> None:
-        """Drop the buffer itself (the engine is idle); the next prepare allocates a new one."""
-        self.buf = None
-        self.layers, self.flat = [], []
-        self.row_len = self.num_rows_cap = 0
-        self.held = []
+        """The engine is idle: forget every row, keep the storage. Handing it
+        back made the next request's first decode step fault all of it in
+        again: 0.25 s of CPU in a deployment's `prepare` (0.5 s of wall time
+        beside MD on a shared core) against ~0.06 s to fill a row
+        (`results/wb-s18-cpu`, 2-2.7K-token contexts in bf16), on every relayed
+        request that found RLD idle."""
+        self.clear()
         self.blocks = {}
-        self._pending = None
+
+    def reserve(self) -> None:
+        """Make the storage now if it is not made yet: a decode instance does so at
+        start-up, so that no request's first decode step pays for it (0.6-1.1 s
+        beside MD on the shared core in the deployment, `results/wb-s18-rows`)."""
+        if self._store is None:
+            L, KVH, D = self.shape
+            # zeros, not empty: padding positions are masked with -inf, and 0 * NaN
+            # would be NaN; later layouts reuse it, holding only K/V written since
+            self._store = torch.zeros(L * 2 * self.max_tokens * KVH * D, dtype=self.dtype)
 
     def clear(self) -> None:
         """Forget every row (the pool's K/V may have changed under them)."""
@@ -118,12 +134,14 @@ class DecodeRows:
         rows = max(num_rows, self.num_rows_cap)
         if rows * need > self.max_tokens:
             rows = num_rows
-        room = min(self.headroom, self.max_tokens // rows - need)
+        room = self.max_tokens // rows - need
+        if self.headroom is not None:
+            room = min(self.headroom, room)
         self.row_len = need + max(0, room) // bs * bs
         self.num_rows_cap = rows
         L, KVH, D = self.shape
-        # zeros, not empty: padding positions are masked with -inf, and 0 * NaN would be NaN
-        self.buf = torch.zeros(L, 2, rows, KVH, self.row_len, D, dtype=self.dtype)
+        self.reserve()
+        self.buf = self._store[: L * 2 * rows * KVH * self.row_len * D].view(L, 2, rows, KVH, self.row_len, D)
         # per layer, the views a step uses, made once here rather than 30 times a step
         self.layers = list(self.buf.unbind(0))                    # [2, rows, KVH, row_len, D] each
         self.flat = [b.view(-1, D) for b in self.layers]          # [2 * rows * KVH * row_len, D] each

@@ -121,10 +121,10 @@ class ModelRunner:
         return out
 
     def release_idle_memory(self) -> None:
-        """Nothing left to run: hand the decode rows' buffer back (up to ~190 MB in fp32);
-        the next decode batch allocates and fills it again. Then ask the C allocator to
-        return the free pages it keeps (a step's activations, the senders' copies of
-        blocks): an idle process gives back what its busiest moment took."""
+        """Nothing left to run: forget the decode rows (their storage stays: making it
+        again cost the next request's first decode its pages' faults). Then ask the C
+        allocator to return the free pages it keeps (a step's activations, the senders'
+        copies of blocks): an idle process gives back what its busiest moment took."""
         if self.rows is not None:
             self.rows.release()
         trim_heap()
