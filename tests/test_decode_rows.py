@@ -112,6 +112,8 @@ def test_engine_with_rows_equals_the_reference_and_the_gathering_path(tiny_model
                             lambda self, *a, _n=name, _f=real: used.append(_n) or _f(self, *a))
     kw = dict(num_blocks=128, block_size=16, max_num_batched_tokens=48)
     with_rows = Engine(model, cfg, EngineConfig(**kw))
+    with_rows.reserve_decode_rows()                     # a decode instance at start-up
+    store = with_rows.runner.rows._store.data_ptr()
     got = _run(with_rows, prompts, max_tokens)
     assert set(used) == {"_decode_rows", "_decode_rows_pair"}, "a rows path never ran"
     want = {rid: generate_greedy(model, p, max_tokens[rid]) for rid, p in prompts.items()}
@@ -124,7 +126,7 @@ def test_engine_with_rows_equals_the_reference_and_the_gathering_path(tiny_model
     # faulted its pages in again on the next request's first decode), and the
     # next batch refills its rows in it
     rows = with_rows.runner.rows
-    store, refills = rows._store.data_ptr(), rows.num_refills
+    refills = rows.num_refills
     assert all(h is None for h in rows.held)
     again = {"x": prompts["r1"]}
     assert _run(with_rows, again, {"x": 6}) == {"x": want["r1"][:6]}

@@ -31,8 +31,9 @@ are always 0..B-1 (attention takes the first B rows), which `prepare` keeps by
 moving a surviving row down when a lower one frees up.
 
 Memory: `max_tokens` padded tokens (rows x row length; 4096 by default:
-94 MB in bf16, 189 MB in fp32 for SmolLM2-135M's 30 layers), made at the
-first decode and kept: a new layout (more rows, a longer row) is a view of
+94 MB in bf16, 189 MB in fp32 for SmolLM2-135M's 30 layers), made by
+`reserve` (a decode instance at start-up) or else at the first decode, and
+kept: a new layout (more rows, a longer row) is a view of
 the same storage, and an idle engine forgets its rows but keeps the storage
 (`release`), so a request's first decode step fills its row without
 faulting fresh pages in. A batch that does not fit falls back to gathering

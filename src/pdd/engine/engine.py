@@ -100,6 +100,12 @@ class Engine:
         if -(-req.num_tokens // self.cfg.block_size) > self.cfg.num_blocks:
             raise InvalidRequestError(f"prompt of {req.num_tokens} tokens exceeds the KV pool")
 
+    def reserve_decode_rows(self) -> None:
+        """A decode instance at start-up: make the decode rows' storage now, so
+        that no request's first decode step pays for it (`DecodeRows.reserve`)."""
+        if self.runner.rows is not None:
+            self.runner.rows.reserve()
+
     def extend(self, request_id: str, token_ids: list[int], final: bool = True,
                hold_at: int | None = None) -> None:
         """Append tokens produced elsewhere; their KV is computed in one pass.

@@ -87,6 +87,8 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path, tls_dir: P
     except Exception:   # a token-id-only model (tiny test model) still serves ids
         tok = None
     engine = Engine(model, cfg, inst.engine, tokenizer=tok)
+    if inst.role.decodes:
+        engine.reserve_decode_rows()
     return await _run_instance(InstanceServer(spec, inst, secret, engine, tls_dir), spec, inst)
 
 

@@ -109,9 +109,6 @@ class InstanceServer:
         self.arrivals.after_transfer = self.trim_if_quiet
         spec, inst = self.spec, self.inst
         if inst.role.decodes:
-            rows = getattr(getattr(self.engine, "runner", None), "rows", None)
-            if rows is not None:
-                await self.loop.call(lambda e: rows.reserve())   # not in a request's first decode
             kv_tls = tls.server_context(self._tls_files()) if tls.kv_tls(spec, inst) else None
             self.receiver = await KVReceiver.start(inst.host, inst.kv_port, self.keys.kv, self.arrivals,
                                                    tls=kv_tls, tls_peers=tls.kv_senders(spec),

@@ -161,8 +161,7 @@ class VllmEngine:
             if token_ids or final:
                 raise InvalidRequestError("a running request on the vLLM backend can only be paused (extend [] "
                                           "with final=false)")
-            self.llm.abort_request([request_id])
-            rec.in_vllm, rec.status = False, RequestStatus.HELD
+            self._hold(rec)
             return
         rec.token_ids.extend(token_ids)
         rec.num_output_tokens += len(token_ids)
@@ -175,6 +174,12 @@ class VllmEngine:
             self._catch_up(rec)
         else:
             self._pending.append(StepEvent(request_id, extended_upto=rec.num_output_tokens))
+
+    def _hold(self, rec: VllmRequestRecord) -> None:
+        """Pause a running request: vLLM drops it (its blocks stay in the prefix
+        cache); a resume starts it again over the same tokens."""
+        self.llm.abort_request([rec.request_id])
+        rec.in_vllm, rec.status, rec.hold_at = False, RequestStatus.HELD, None
 
     def _catch_up(self, rec: VllmRequestRecord) -> None:
         """Compute a held request's tokens so far now (one side request at a
@@ -297,8 +302,7 @@ class VllmEngine:
                 rec.num_output_tokens += 1
                 rec.token_ids.append(int(tok))
             if not out.finished and rec.hold_at is not None and rec.num_output_tokens >= rec.hold_at:
-                self.llm.abort_request([rec.request_id])      # a pause given ahead: held now
-                rec.in_vllm, rec.status, rec.hold_at = False, RequestStatus.HELD, None
+                self._hold(rec)                                # a pause given ahead: held now
             if out.finished:
                 rec.in_vllm = False
                 rec.status = FINISH_STATUS.get(comp.finish_reason, RequestStatus.FINISHED_ERROR)

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     if not args.listen and not args.listen_back and not args.listen_control:
-        print("pdd wan: give at least one --listen or --listen-back", file=sys.stderr)
+        print("pdd wan: give at least one --listen, --listen-control or --listen-back", file=sys.stderr)
         return 2
     key = None
     if args.control_port is not None:
