@@ -63,6 +63,8 @@ def test_concurrent_requests_chunked_prefill_equal_each_alone(tiny_model):
     # the stats carry the last 16 steps that computed prompts, newest first (the router fits P's costs)
     pre = [r for r in eng.step_log if r.num_prefill_tokens][::-1][:16]
     assert eng.stats()["prefill_steps"] == [[r.num_prefill_tokens, round(r.wall_s, 6)] for r in pre]
+    # each step's CPU time on the engine's thread: spent, and no more than its wall time
+    assert all(0 < r.cpu_s <= r.wall_s * 1.05 + 1e-3 for r in eng.step_log)
 
 
 def test_prefix_reuse_gives_same_tokens(tiny_model):

@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 
+from pdd.engine import kv_codec
 from pdd.engine.request import EngineRequest, SamplingParams
 from pdd.server.engine_loop import EngineLoop, EngineMoved
 from test_engine import make_engine, prompt
@@ -34,19 +35,22 @@ def test_a_move_while_the_reader_was_busy_is_not_lost_and_a_quiet_engine_times_o
     asyncio.run(main())
 
 
-def test_the_runner_reports_each_step_start_and_each_layer_written(tiny_model):
+def test_the_runner_reports_each_step_start_and_each_part_of_layers_written(tiny_model, monkeypatch):
     """What `EngineLoop.moved` is fed: one call at a step's start (its spans
-    known) and one after each layer's KV is written, with layers_written
-    counting up, on the engine's own thread."""
-    engine = make_engine(tiny_model)
-    layers = engine.runner.num_layers
-    seen = []
-    engine.runner.on_step_start = lambda: seen.append(("start", dict(engine.runner.progress.spans)))
-    engine.runner.on_progress = lambda: seen.append(("layer", engine.runner.progress.layers_written))
-    engine.submit(EngineRequest("r", prompt(5, 60), SamplingParams(max_tokens=1)))
-    engine.step()
-    assert seen[0] == ("start", {"r": (0, 60)})
-    assert seen[1:] == [("layer", n) for n in range(1, layers + 1)]
+    known) and one each time a streamed part's layers are written (every
+    `layers_per_part` layers, and the last), with layers_written counting up,
+    on the engine's own thread."""
+    for part_bytes, expect in ((1, [1, 2]), (kv_codec.STREAM_PART_MIN_BYTES, [2])):
+        monkeypatch.setattr(kv_codec, "STREAM_PART_MIN_BYTES", part_bytes)
+        engine = make_engine(tiny_model)
+        assert engine.runner.num_layers == 2
+        seen = []
+        engine.runner.on_step_start = lambda: seen.append(("start", dict(engine.runner.progress.spans)))
+        engine.runner.on_progress = lambda: seen.append(("layer", engine.runner.progress.layers_written))
+        engine.submit(EngineRequest("r", prompt(5, 60), SamplingParams(max_tokens=1)))
+        engine.step()
+        assert seen[0] == ("start", {"r": (0, 60)})
+        assert seen[1:] == [("layer", n) for n in expect], part_bytes
 
 
 def test_an_engine_loop_wakes_a_reader_waiting_on_it(tiny_model):

@@ -213,3 +213,21 @@ def test_cut_fails_kv_transfer_within_deadline_and_restore_recovers():
             await link.close()
             await receiver.close()
     run(main())
+
+
+def test_the_relay_carries_each_far_instance_s_http_port_in_the_control_class():
+    """The launcher marks a mapping as control by `topology.control_ports`:
+    the very ports `address` gives the near side for the far instances'
+    HTTP APIs, never their KV ports."""
+    from pathlib import Path
+
+    from pdd.deploy.spec import load_spec
+    from pdd.deploy.topology import address, control_ports, far_side, relay_mappings
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "examples" / "pdd.toml")
+    link = spec.links[0]
+    ctl = control_ports(spec, link)
+    far = far_side(spec, link)
+    assert far and ctl == {address(spec, i, link.a).port for i in far}
+    assert not ctl & {address(spec, i, link.a).kv_port for i in far}
+    assert ctl < {lp for lp, _, _ in relay_mappings(spec, link)}

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdd.deploy.spec import DeploymentSpec, load_spec
-from pdd.deploy.topology import is_control_mapping, relay_mappings
+from pdd.deploy.topology import control_ports, relay_mappings
 from pdd.keys import DeploymentKeys
 
 if TYPE_CHECKING:
@@ -142,8 +142,9 @@ class Deployment:
                               "--latency-ms", str(link.latency_ms), "--jitter-ms", str(link.jitter_ms),
                               "--control-port", str(link.control_port), "--secret-file", str(secret_file),
                               "--name", f"wan{k}"]
+                control_lps = control_ports(spec, link) if link.priority_control else set()
                 for lp, host, tp in relay_mappings(spec, link):
-                    control = link.priority_control and is_control_mapping(link, lp)
+                    control = lp in control_lps
                     cmd += ["--listen-control" if control else "--listen", f"{lp}:{host}:{tp}"]
                 dep._spawn(f"wan{k}", cmd, f"http://{link.relay_host}:{link.control_port}/health", env,
                            signer=(dep.keys.wan_control, f"wan{k}"))

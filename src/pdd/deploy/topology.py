@@ -31,22 +31,29 @@ def address(spec: DeploymentSpec, inst: InstanceSpec, from_dc: str) -> Address:
     link = spec.link_between(from_dc, inst.datacenter)
     if link is None or link.b != inst.datacenter:
         raise ValueError(f"no WAN link from {from_dc!r} into {inst.datacenter!r} for {inst.name!r}")
-    k = far_side(spec, link).index(inst)
-    return Address(link.relay_host, link.relay_port_base + 2 * k, link.relay_port_base + 2 * k + 1, "wan")
+    http, kv = _relay_ports(link, far_side(spec, link).index(inst))
+    return Address(link.relay_host, http, kv, "wan")
+
+
+def _relay_ports(link: LinkSpec, k: int) -> tuple[int, int]:
+    """The relay's (HTTP, KV) ports for the k-th instance of the far side."""
+    return link.relay_port_base + 2 * k, link.relay_port_base + 2 * k + 1
 
 
 def relay_mappings(spec: DeploymentSpec, link: LinkSpec) -> list[tuple[int, str, int]]:
     """(listen_port, target_host, target_port) for the link's relay."""
     out = []
     for k, inst in enumerate(far_side(spec, link)):
-        out.append((link.relay_port_base + 2 * k, inst.host, inst.port))
-        out.append((link.relay_port_base + 2 * k + 1, inst.host, inst.kv_port))
+        http, kv = _relay_ports(link, k)
+        out.append((http, inst.host, inst.port))
+        out.append((kv, inst.host, inst.kv_port))
     return out
 
 
-def is_control_mapping(link: LinkSpec, listen_port: int) -> bool:
-    """An instance's HTTP port (control calls, token streams), not its KV port."""
-    return (listen_port - link.relay_port_base) % 2 == 0
+def control_ports(spec: DeploymentSpec, link: LinkSpec) -> set[int]:
+    """The relay's ports that carry the instances' HTTP (control calls, token
+    streams), not their KV."""
+    return {_relay_ports(link, k)[0] for k in range(len(far_side(spec, link)))}
 
 
 def copy_pace(spec: DeploymentSpec) -> dict[str, float]:

@@ -56,6 +56,11 @@ class StepRecord:
     # processes of one machine, so calibration can tell which steps of two
     # instances pinned to one core overlapped.
     start_s: float = 0.0
+    # CPU time of the engine's thread over the step (time.thread_time):
+    # below wall_s when another thread or process took the core meanwhile,
+    # above a quiet run's when the step itself ran slower (shared caches and
+    # memory). Not part of the simulator's fit; for finding where time goes.
+    cpu_s: float = 0.0
 
 
 class Engine:
@@ -213,9 +218,9 @@ class Engine:
         # The model reads and writes only the blocks of the plan's sequences,
         # all allocated above: the pool may change meanwhile (KV imports).
         start = time.time()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         plan, sampled, failed = self._execute_isolated(plan)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         with self.pool_lock:
             for req, err in failed:
                 self._finish(req, RequestStatus.FINISHED_ERROR)
@@ -232,6 +237,7 @@ class Engine:
             context_lens=tuple(s.start + s.num_tokens for s in plan.seqs),
             wall_s=wall,
             start_s=start,
+            cpu_s=cpu,
         ))
         for s, tok in zip(plan.seqs, sampled):
             req = s.request

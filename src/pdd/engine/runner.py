@@ -11,6 +11,7 @@ import torch
 
 from pdd.engine.config import EngineConfig
 from pdd.engine.decode_rows import DecodeRows
+from pdd.engine.kv_codec import layers_per_part
 from pdd.engine.paged_attention import PagedAttention, build_metadata
 from pdd.engine.sampler import sample
 from pdd.engine.scheduler import StepPlan
@@ -21,15 +22,23 @@ class StepProgress:
     layer's KV for those tokens is final once written, so P can send it while
     the step computes the next layers (layer-wise KV streaming)."""
 
-    def __init__(self, step: int, spans: dict[str, tuple[int, int]], notify=None):
+    def __init__(self, step: int, spans: dict[str, tuple[int, int]], notify=None,
+                 every: int = 1, num_layers: int = 0):
         self.step = step
         self.spans = spans              # request id -> [start, end) tokens this step computes
         self.layers_written = 0
-        self.notify = notify            # called (on the engine thread) after each layer's KV is written
+        # Called (on the engine thread) once every `every` layers' KV is
+        # written, and after the last layer: a streamed copy sends a block's
+        # layers in parts of that many (`kv_codec.layers_per_part`), so a
+        # wake-up per layer found nothing to send five times in six and cost
+        # P's core a thread switch each time.
+        self.notify = notify
+        self.every = max(int(every), 1)
+        self.num_layers = num_layers
 
     def wrote(self, layers: int) -> None:
         self.layers_written = layers
-        if self.notify is not None:
+        if self.notify is not None and (layers % self.every == 0 or layers == self.num_layers):
             self.notify()
 
 
@@ -65,6 +74,10 @@ class ModelRunner:
         ) if cfg.decode_rows else None
 
     @property
+    def layers_per_notify(self) -> int:
+        return layers_per_part(self.block_bytes, self.num_layers)
+
+    @property
     def block_bytes(self) -> int:
         return self.kv[:, :, : self.cfg.block_size].numel() * self.kv.element_size()
 
@@ -89,7 +102,8 @@ class ModelRunner:
         md = build_metadata(seqs, self.cfg.block_size, rows=rows)
         self.num_steps += 1
         progress = StepProgress(self.num_steps, {s.request.request_id: (s.start, s.start + s.num_tokens)
-                                                 for s in plan.seqs}, self.on_progress)
+                                                 for s in plan.seqs}, self.on_progress,
+                                self.layers_per_notify, self.num_layers)
         self.progress = progress
         if self.on_step_start is not None:
             self.on_step_start()

@@ -196,7 +196,13 @@ class KVArrivals:
         a.ended.set()
         self._close_import(a)
         self.metrics.on_kv_received(status)
-        self.after_transfer()
+        self._settle(request_id, a, status)
+        # The heap's trim (~2 ms) after the waiter has run: a decode call
+        # answered above submits its request first, and the trim then finds
+        # the engine busy and skips.
+        asyncio.get_running_loop().call_soon(self.after_transfer)
+
+    def _settle(self, request_id: str, a: KVArrival, status: TransferStatus) -> None:
         if a.warm:
             # The blocks stay in the prefix cache (committed as they landed);
             # nothing waits for them, so unpin now rather than at expiry.
