@@ -63,19 +63,17 @@ class ModelRunner:
         self.num_steps = 0
         self.progress: StepProgress | None = None
         # Called on the engine thread when a step starts (which requests it
-        # computes is known: `progress.spans`) and after each layer's KV is
-        # written (`progress.layers_written`), so that readers waiting for
-        # either wake up instead of polling.
+        # computes is known: `progress.spans`) and each time a streamed part's
+        # layers are written (`progress.layers_written`; every
+        # `layers_per_notify` layers and the last), so that readers waiting
+        # for either wake up instead of polling.
         self.on_step_start = None
         self.on_progress = None
+        self.layers_per_notify = layers_per_part(self.block_bytes, self.num_layers)
         # running decodes' contexts kept contiguous between steps (None: always gather)
         self.rows: DecodeRows | None = DecodeRows(
             model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, self.dtype, cfg.block_size,
         ) if cfg.decode_rows else None
-
-    @property
-    def layers_per_notify(self) -> int:
-        return layers_per_part(self.block_bytes, self.num_layers)
 
     @property
     def block_bytes(self) -> int:
