@@ -52,8 +52,8 @@ def record_run(monkeypatch, preset: str, num_requests: int = 100, cuts=()):
     calls: list[tuple] = []
 
     class Recording(RequestLifecycle):
-        def __init__(self, req, d, cfg, budgets=None, warm_blocks=0):
-            super().__init__(req, d, cfg, budgets, warm_blocks)
+        def __init__(self, req, d, cfg, budgets=None, warm_blocks=0, copies=None):
+            super().__init__(req, d, cfg, budgets, warm_blocks, copies)
             calls.append(("new", req, d, cfg, warm_blocks))
 
         def start(self, now):

@@ -317,3 +317,48 @@ def test_a_queued_copy_that_a_waiting_transfer_needs_goes_at_once():
     # last of A's bytes, already handed to the sockets, cross beside B's
     # resumed slices), 2.6 s before the fix (behind the rest of B's 8 MB)
     assert a.finished_s < b.finished_s and took < 2.1, took
+
+
+async def backlog_mid_race():
+    """What P's sender reports to the router while a direct transfer and a
+    background copy are under way, both waiting for P to compute more of
+    their blocks (each has 2 of its blocks): bytes left per kind, and whose."""
+    receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, Sink())
+    sender = KVSender(SECRET)
+    computed = asyncio.Event()
+
+    def source(data):
+        async def get(i):
+            if i >= 2:
+                await computed.wait()
+            return data[i]
+        return get
+
+    try:
+        big, big_h = blocks(24, 64 * 1024, 1)
+        small, small_h = blocks(8, 64 * 1024, 2)
+        bg = sender.send("127.0.0.1", receiver.port, "big", {}, big_h, source(big), 30, line="wan",
+                         background=True, block_bytes=64 * 1024)
+        fg = sender.send("127.0.0.1", receiver.port, "small", {}, small_h, source(small), 30, line="wan",
+                         block_bytes=64 * 1024)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if bg.status.num_blocks_sent == 2 and fg.status.num_blocks_sent == 2:
+                break
+        mid = sender.backlog()
+        computed.set()
+        await bg.wait(), await fg.wait()
+        return mid, sender.backlog(), bg.poll(), fg.poll()
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+def test_the_backlog_reports_bytes_left_per_kind_and_the_requests_it_covers():
+    mid, after, bg, fg = asyncio.run(asyncio.wait_for(backlog_mid_race(), 30))
+    assert bg.ok and fg.ok, (bg.error, fg.error)
+    assert mid == {"wan": {"foreground": 6 * 64 * 1024, "background": 22 * 64 * 1024,
+                           "foreground_transfers": 1, "background_transfers": 1,
+                           "requests": mid["wan"]["requests"]}}
+    assert sorted(mid["wan"]["requests"]) == ["big", "small"]
+    assert after == {}

@@ -33,6 +33,7 @@ orders included (tests/test_policy_lifecycle*.py).
 from __future__ import annotations
 
 from pdd.policy.config import PolicyConfig
+from pdd.policy.copies_ahead import DispatchedCopies
 from pdd.policy.filter import RelayBudgets
 from pdd.policy.handoff import Complete, HandoffSession, HandoffState, SendBatch, new_session
 from pdd.policy.lifecycle_io import (
@@ -57,8 +58,13 @@ def remaining_wan_s(d: PipelineDecision, wan_elapsed_s: float) -> float:
 
 class RequestLifecycle(RecoveryRules):
     def __init__(self, req: RequestFacts, decision: PipelineDecision, cfg: PolicyConfig,
-                 budgets: RelayBudgets | None = None, warm_blocks: int = 0) -> None:
+                 budgets: RelayBudgets | None = None, warm_blocks: int = 0,
+                 copies: DispatchedCopies | None = None) -> None:
+        """`copies`: the WAN copies routed and not yet in P's report, shared by
+        the requests of one router (the request's own copy counts there from
+        `start` until P reports it or it ends)."""
         self.req, self.d, self.cfg, self.budgets = req, decision, cfg, budgets
+        self.copies = copies
         # The decision counts in the relay budgets from now on: as predicted
         # while the request runs, as it went once it has ended.
         self.budget = note_decision(budgets, decision, req) if budgets is not None else None
@@ -116,6 +122,13 @@ class RequestLifecycle(RecoveryRules):
             targets.append(Transfer(self.md_id, background=copy_yields_line(self.d)))
         if self.warm is not None:
             targets.append(Transfer(*self.warm, background=copy_yields_line(self.d, warm=True)))
+        if self.copies is not None:
+            r = self.req
+            if self.md_id is not None:
+                self.copies.sent(r.request_id, self.d.missing_bytes, copy_yields_line(self.d))
+            elif self.warm is not None:
+                self.copies.sent(r.request_id, self.warm[1] * r.block_size * r.kv_bytes_per_token,
+                                 copy_yields_line(self.d, warm=True))
         self.transfers = {t.instance_id: None for t in targets}
         self.p_open = True
         self._out.append(StartPrefill(self.p_id, tuple(targets)))
@@ -166,6 +179,7 @@ class RequestLifecycle(RecoveryRules):
             self._on_transfer(f)
         elif isinstance(f, PrefillEnded):
             self.p_open = False
+            self._copy_over(None)
             if self.first_token is None:
                 raise _Failed(f"prefill failed: {f.error or 'stream closed'}")
         elif isinstance(f, DecodeToken):
@@ -194,11 +208,13 @@ class RequestLifecycle(RecoveryRules):
         """Only P matters once the user has the answer: a warm copy landing."""
         if isinstance(f, TransferEnded):
             self.transfers[f.instance_id] = f.ok
+            self._copy_over(f.instance_id)
             if f.instance_id == self.md_id and not f.ok and f.instance_id not in self.cancelled:
                 self._out.append(WanFailed())
             self._maybe_release_p()
         elif isinstance(f, PrefillEnded):
             self.p_open = False
+            self._copy_over(None)
 
     # --- P -----------------------------------------------------------------------
     def _on_prefilled(self, f: Prefilled) -> None:
@@ -235,6 +251,7 @@ class RequestLifecycle(RecoveryRules):
 
     def _on_transfer(self, f: TransferEnded) -> None:
         self.transfers[f.instance_id] = f.ok
+        self._copy_over(f.instance_id)
         if f.instance_id == self.md_id and not f.ok:
             if f.instance_id not in self.cancelled:     # our own cancel says nothing of the line
                 self._out.append(WanFailed())
@@ -247,6 +264,13 @@ class RequestLifecycle(RecoveryRules):
                 self._rld_gone(f.now, f"KV transfer to {self.rld_id} failed: {f.error}", f.healthy)
         if self.done is None or self.done.reason is not FinishReason.ERROR:
             self._maybe_release_p()
+
+    def _copy_over(self, receiver: str | None) -> None:
+        """The request's WAN copy ended (`receiver` None: P's stream is over,
+        and every copy with it): it no longer waits ahead of others."""
+        wan = self.md_id or (self.warm[0] if self.warm else None)
+        if self.copies is not None and (receiver is None or receiver == wan):
+            self.copies.ended(self.req.request_id)
 
     def _maybe_release_p(self) -> None:
         md_ok = self.md_id is None or self.transfers.get(self.md_id) or not self.md_live
@@ -490,6 +514,10 @@ class RequestLifecycle(RecoveryRules):
         self.done = Finish(self.outcome, reason, error)
         if self.budget is not None:
             self.budget.ended(self.rld_emitted)
+        # A copy still going once the user has the answer has long been in
+        # P's report (it streams with the prefill); nothing may stay counted
+        # for a request that will see no more facts.
+        self._copy_over(None)
         self._out.append(self.done)
 
     def _drain(self) -> list[Command]:

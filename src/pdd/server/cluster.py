@@ -23,6 +23,7 @@ from pdd.policy import (
     ClusterView, InstanceView, LinkEstimator, PolicyConfig, PrefixReuseCounter, RelayBudgets,
 )
 from pdd.policy import Role as PolicyRole
+from pdd.policy.copies_ahead import DispatchedCopies
 from pdd.policy.views import fit_prefill_cost
 from pdd.server.cache_index import CacheIndex
 from pdd.server.wire import InternalClient
@@ -71,6 +72,7 @@ class Cluster:
         self.prefix_reuses = PrefixReuseCounter()
         self.relay_budgets = RelayBudgets(self.policy, sum(
             i.engine.max_num_seqs for i in spec.instances if i.role == Role.RELAY))
+        self.copies = DispatchedCopies()       # WAN copies routed, not yet in P's report
         self.wan_up = True
 
     def kv_address(self, target: str, from_instance: str) -> Address:
@@ -101,6 +103,7 @@ class Cluster:
             if m.index is not None and isinstance(s.get("kv"), dict):
                 m.index.apply(s["kv"], now)
             m.send_backlog = (s.get("kv_send_backlog") or {}).get("wan", {})
+            self.copies.reported(m.send_backlog.get("requests") or ())
             cost = fit_prefill_cost([(int(n), float(w)) for n, w in s.get("prefill_steps") or ()])
             m.view = replace(m.view, num_running=int(s["num_running"]), num_waiting=int(s["num_waiting"]),
                              kv_free_blocks=int(s["kv_free_blocks"]), kv_total_blocks=int(s["kv_total_blocks"]),
@@ -181,5 +184,6 @@ class Cluster:
                       queued_background_bytes=float(sum(b.get("background", 0) for b in backlogs)),
                       queued_flows=int(sum(b.get("foreground_transfers", 0) for b in backlogs)),
                       queued_background_flows=int(sum(b.get("background_transfers", 0) for b in backlogs)))
+        est = self.copies.ahead(est)      # routed since, or still in P's queue
         return ClusterView(tuple(self._view(m) for m in members), matched, est, now,
                            local=self.local.estimate(now))

@@ -81,7 +81,7 @@ class PddRun:
                                                     "overhead_s": w.overhead_s, "queued_bytes": w.queued_bytes,
                                                     "queued_background_bytes": w.queued_background_bytes})
         self.members[io.Leg.P] = c.members[d.p_id]
-        return RequestLifecycle(facts, d, c.policy, c.relay_budgets, self.plan_warm(d, matched))
+        return RequestLifecycle(facts, d, c.policy, c.relay_budgets, self.plan_warm(d, matched), c.copies)
 
     def plan_warm(self, d: PipelineDecision, matched: dict[str, int]) -> int:
         """Count this request's shared prefix; a filtered one may still warm MD

@@ -44,6 +44,7 @@ from pdd.policy import (
     ClusterView, LinkEstimator, NoRouteError, PrefixReuseCounter, RelayBudgets, RequestFacts,
     Role, choose_pipeline, note_decision, pick_instance, plan_warm,
 )
+from pdd.policy.copies_ahead import DispatchedCopies
 from pdd.policy.lifecycle_io import Prefilled
 from pdd.policy.line_order import copy_pace_bytes_s
 from pdd.engine.kv_codec import stream_parts
@@ -118,6 +119,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         self.md_link = self._link_name(p_dc, md_dc) if p_dc and md_dc else None
         self.p_link = f"rdma-{p_dc}" if p_dc else None      # P -> RLD
         self.prefix_reuses = PrefixReuseCounter()
+        self.copies = DispatchedCopies()
         self.relay_budgets = RelayBudgets(self.cfg, sum(
             i.max_batch for i in self.instances.values() if i.role is Role.RELAY))
         # flow id -> (request, "rld" | "md", destination id, start time, bytes, link name)
@@ -283,7 +285,12 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
             wan = dataclasses.replace(wan, up=False)
         if wan is not None:
             # What P still has to push over the line, as its servers report it.
-            wan = dataclasses.replace(wan, **self.links[self.md_link].backlog(now))
+            line = self.links[self.md_link]
+            wan = dataclasses.replace(wan, **line.backlog(now))
+            # Copies routed but not yet on the line (P has not reached their
+            # prompt): the router counts them from its own decisions.
+            self.copies.reported(flow_id.split("/", 1)[0] for flow_id in line.flows)
+            wan = self.copies.ahead(wan)
         local = self.estimators.get(self.p_link) if self.p_link else None
         return ClusterView(tuple(i.view() for i in self.instances.values()), matched, wan, now,
                            local=local.estimate(now) if local is not None else None)

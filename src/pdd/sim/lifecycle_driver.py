@@ -45,7 +45,8 @@ class LifecycleDriverMixin:
 
     # --- facts in ------------------------------------------------------------
     def _begin(self, req: SimRequest, d, matched: int, now: float) -> list[Event]:
-        req.lc = RequestLifecycle(self._facts(req), d, self.cfg, self.relay_budgets, req.warm_blocks)
+        req.lc = RequestLifecycle(self._facts(req), d, self.cfg, self.relay_budgets, req.warm_blocks,
+                                  self.copies)
         req.pipeline, req.pipeline_reason = req.lc.outcome.value, d.reason
         return self._carry(req, req.lc.start(now), now, matched=matched)
 

@@ -150,16 +150,18 @@ class KVSender:
 
     def backlog(self) -> dict[str, dict[str, int]]:
         """Bytes still to send per line, foreground and background (from the
-        block sizes the callers gave), and the transfers of each kind, for the
-        router's line estimate."""
-        out: dict[str, dict[str, int]] = {}
+        block sizes the callers gave), the transfers of each kind, and their
+        request ids (which copies the report covers), for the router's line
+        estimate."""
+        out: dict = {}
         for h in list(self._active):
             if h.line is None or h.done:
                 continue
             per = out.setdefault(h.line, {"foreground": 0, "background": 0, "foreground_transfers": 0,
-                                          "background_transfers": 0})
+                                          "background_transfers": 0, "requests": []})
             per["background" if h.background else "foreground"] += h.bytes_left()
             per["background_transfers" if h.background else "foreground_transfers"] += 1
+            per["requests"].append(h.request_id)
         return out
 
     async def close(self) -> None:
