@@ -112,13 +112,14 @@ def test_share_budget_lends_at_the_start_and_takes_the_loan_back():
 
     # 10% with a loan of 2 wholes, repaid over 20 decisions.
     b = ShareBudget(max_share=0.1, window=100, loan=2.0)
-    assert b.allows(100, 100)        # 100 <= 10 + 2 * 100 * 0.95
+    assert b.lent(100) == 200.0      # the first decision has the whole loan
+    assert b.allows(100, 100)        # 100 <= 10 + 2 * 100
     b.note(100, 100)
-    assert b.allows(100, 100)        # 200 <= 20 + 2 * 100 * 0.9
+    assert b.allows(100, 100)        # 200 <= 20 + 2 * 100 * 0.95
     b.note(100, 100)
-    assert not b.allows(100, 100)    # 300 > 30 + 2 * 100 * 0.85: the loan is spent
+    assert not b.allows(100, 100)    # 300 > 30 + 2 * 100 * 0.9: the loan is spent
     assert b.allows(0, 100)
-    for _ in range(17):
+    for _ in range(18):
         b.note(0, 100)               # 20 decisions: the loan is over
     assert b.lent(100) == 0.0
     assert not b.allows(100, 100)    # 300 of 2,000 (15%)
@@ -127,3 +128,18 @@ def test_share_budget_lends_at_the_start_and_takes_the_loan_back():
     assert b.allows(100, 100)        # 300 of 3,000, this one included
     # Without a loan, a run cannot open with RLD work at all.
     assert not ShareBudget(max_share=0.1, window=100).allows(100, 100)
+
+
+def test_the_loans_clock_counts_in_wholes_of_the_decision_at_hand():
+    from pdd.policy import ShareBudget
+
+    # A warm-up probe of 4 tokens before the run leaves nearly all of a loan
+    # of one for a 17-token answer: 17 <= 0.1 * 21 + 17 * (1 - 4 / 17 / 10).
+    b = ShareBudget(max_share=0.1, window=200, loan=1.0)
+    b.note(0, 4)
+    assert b.lent(17) == pytest.approx(17 - 0.4)
+    assert b.allows(17, 17)
+    # Ten decisions of that size repay it, whatever size they came in.
+    for _ in range(5):
+        b.note(0, 34)
+    assert b.lent(17) == 0.0

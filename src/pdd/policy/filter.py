@@ -84,7 +84,7 @@ class ShareBudget:
         self.max_share = max_share
         self.loan = loan
         self._recent: deque[list[float]] = deque(maxlen=window)
-        self._num_decisions = 0                 # ever noted: the loan's clock
+        self._wholes_noted = 0.0                # ever noted: the loan's clock
         self._repaid_after = loan / max_share if max_share > 0 else 0.0
 
     @property
@@ -96,11 +96,18 @@ class ShareBudget:
         return sum(w for _, w in self._recent)
 
     def lent(self, whole: float) -> float:
-        """Parts lent beyond the share, for one more decision of `whole`
-        (the loan counts in wholes of the decision at hand: a warm-up probe
-        of a few tokens before the run must not shrink it)."""
-        n = self._num_decisions + 1
-        if self._repaid_after <= 0 or n >= self._repaid_after:
+        """Parts lent beyond the share, for one more decision of `whole`.
+        The loan and its clock count in wholes of the decision at hand: the
+        run so far is worth (wholes noted) / `whole` such decisions, so the
+        first decision has the whole loan and a warm-up probe of a few tokens
+        before the run does not shrink it. (Counted in decisions, the bench's
+        one 4-token warm-up took a tenth of a loan of one, and the run's first
+        cold turn, 17 tokens on RLD, no longer fitted: in `wan-bound-31` the
+        first request waited 13.9 s for the line.)"""
+        if self._repaid_after <= 0 or whole <= 0:
+            return 0.0
+        n = self._wholes_noted / whole
+        if n >= self._repaid_after:
             return 0.0
         return self.loan * whole * (1.0 - n / self._repaid_after)
 
@@ -117,7 +124,7 @@ class ShareBudget:
         """Count one routing decision; the entry, for `settle`."""
         entry = [float(part), float(whole)]
         self._recent.append(entry)
-        self._num_decisions += 1
+        self._wholes_noted += entry[1]
         return entry
 
     @staticmethod
