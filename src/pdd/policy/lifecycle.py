@@ -208,13 +208,11 @@ class RequestLifecycle(RecoveryRules):
         """Only P matters once the user has the answer: a warm copy landing."""
         if isinstance(f, TransferEnded):
             self.transfers[f.instance_id] = f.ok
-            self._copy_over(f.instance_id)
             if f.instance_id == self.md_id and not f.ok and f.instance_id not in self.cancelled:
                 self._out.append(WanFailed())
             self._maybe_release_p()
         elif isinstance(f, PrefillEnded):
             self.p_open = False
-            self._copy_over(None)
 
     # --- P -----------------------------------------------------------------------
     def _on_prefilled(self, f: Prefilled) -> None:

@@ -289,7 +289,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
             wan = dataclasses.replace(wan, **line.backlog(now))
             # Copies routed but not yet on the line (P has not reached their
             # prompt): the router counts them from its own decisions.
-            self.copies.reported(flow_id.rsplit("/", 2)[0] for flow_id in line.flows)
+            self.copies.reported(self.flows[f][0].spec.request_id for f in line.flows if f in self.flows)
             wan = self.copies.ahead(wan)
         local = self.estimators.get(self.p_link) if self.p_link else None
         return ClusterView(tuple(i.view() for i in self.instances.values()), matched, wan, now,

@@ -148,12 +148,12 @@ class KVSender:
         handle.task.add_done_callback(lambda _t: self._active.discard(handle))
         return handle
 
-    def backlog(self) -> dict[str, dict[str, int]]:
+    def backlog(self) -> dict[str, dict]:
         """Bytes still to send per line, foreground and background (from the
         block sizes the callers gave), the transfers of each kind, and their
         request ids (which copies the report covers), for the router's line
         estimate."""
-        out: dict = {}
+        out: dict[str, dict] = {}
         for h in list(self._active):
             if h.line is None or h.done:
                 continue
