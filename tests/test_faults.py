@@ -112,7 +112,11 @@ def test_md_killed_mid_request_finishes_on_rld(tiny_pdd, tiny_model, tiny_model_
 
 def test_up_and_down_leave_no_stray_process(tmp_path, tiny_model_dir):
     path = tmp_path / "colocated.toml"
-    path.write_text(deployment_toml("colocated", tiny_model_dir))
+    # The instance pinned to the last core and niced, as a deployment file
+    # puts a small pool beside a latency-critical instance.
+    core = os.cpu_count() - 1
+    path.write_text(deployment_toml("colocated", tiny_model_dir).replace(
+        'role = "colocated"', f'role = "colocated"\ncpu = {core}\nnice = 3'))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     up = subprocess.run([sys.executable, "-m", "pdd.cli", "up", "-c", str(path), "--detach"],
                         capture_output=True, text=True, timeout=180, env=env)
@@ -131,6 +135,10 @@ def test_up_and_down_leave_no_stray_process(tmp_path, tiny_model_dir):
         return out
 
     assert len(ours()) == 2            # the instance and the router
+    instance = [p for p in ours() if b"--name" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(instance) == 1
+    assert os.sched_getaffinity(instance[0]) == {core}
+    assert os.getpriority(os.PRIO_PROCESS, instance[0]) == 3
     down = subprocess.run([sys.executable, "-m", "pdd.cli", "down", "-c", str(path)],
                           capture_output=True, text=True, timeout=60, env=env)
     assert down.returncode == 0 and "stopped 2 processes" in down.stdout
@@ -147,6 +155,7 @@ def test_bad_deployment_file_names_the_field(tmp_path, tiny_model_dir):
     for bad, field in [(good.replace('role = "decode"', 'role = "decoder"'), "instances[1].role"),
                        (good.replace("bandwidth_mbps = 80.0", 'bandwidth_mbps = "fast"'), "links[0].bandwidth_mbps"),
                        (good + "\n[policy]\ncatchup_threshold_tokens = -5\n", "policy"),
+                       (good.replace('role = "decode"', 'role = "decode"\nnice = 20'), "instances[1].nice"),
                        (good.replace("[[links]]", "[[linkz]]"), "deployment")]:
         f = tmp_path / "bad.toml"
         f.write_text(bad)

@@ -30,6 +30,18 @@ PDD = ROOT / "examples" / "pdd.toml"
 AS_WRITTEN = {"engine": {"dtype": "float32"}, "links": {"bandwidth_mbps": 100.0}, "policy": {"relay_startup_loan": 8}}
 
 
+def pdd_as_written(folder: Path) -> Path:
+    """examples/pdd.toml with RLD back on MD's core at MD's priority, where it
+    was when the lifecycle paths below were counted (session 21 moved it to
+    P's core at nice 5), written into `folder`."""
+    text = PDD.read_text()
+    i = text.index('role = "relay"')
+    text = text[:i] + text[i:].replace("cpu = 0", "cpu = 1", 1).replace("nice = 5", "nice = 0", 1)
+    path = Path(folder) / "pdd.toml"
+    path.write_text(text)
+    return path
+
+
 def _tiny(seed: int = 3):
     sc = load([TINY])
     return dataclasses.replace(sc, workload=dataclasses.replace(sc.workload, duration_s=20.0, seed=seed))
@@ -107,11 +119,11 @@ def test_every_event_of_the_example_pdd_deployment_is_a_plain_record(monkeypatch
 
 
 def _own_cores_pdd(tmp_path: Path) -> Path:
-    """examples/pdd.toml with MD on a core of its own (its steps are StepEnd
-    events of its own) and the catch-up handoff forced."""
+    """examples/pdd.toml with every instance on a core of its own (their steps
+    are StepEnd events of their own) and the catch-up handoff forced."""
     text = PDD.read_text()
-    i = text.index('name = "md0"')
-    text = text[:i] + text[i:].replace("cpu = 1", "cpu = 2", 1)
+    i = text.index('name = "rld0"')
+    text = text[:i] + text[i:].replace("cpu = 0", "cpu = 2", 1)
     text = text.replace('handoff_mode = "auto"', 'handoff_mode = "catch_up"')
     path = tmp_path / "pdd.toml"
     path.write_text(text)

@@ -26,9 +26,7 @@ from pdd.policy import RelayBudgets
 from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.lifecycle_log import decision_log, entry
 from pdd.sim.runtime import RuntimeMode, run_runtime_mode
-from test_sim_events import AS_WRITTEN   # the example as these paths were counted on (fp32, 100 Mbit/s, loan 8)
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from test_sim_events import AS_WRITTEN, pdd_as_written   # the example as these paths were counted on (fp32, 100 Mbit/s, loan 8)
 
 
 # 100 requests each, ~1 s: the paths below; "quick+cuts": the WAN cut for
@@ -38,17 +36,18 @@ CUTS = [(t, t + 3.0) for t in (10.0, 30.0, 50.0, 70.0, 90.0, 110.0)]
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     out = {}
+    path = pdd_as_written(tmp_path_factory.mktemp("pdd"))
     for name in RUNS:
         with pytest.MonkeyPatch.context() as mp:
-            out[name] = record_run(mp, name.split("+")[0], cuts=CUTS if name.endswith("+cuts") else ())
+            out[name] = record_run(mp, name.split("+")[0], path, cuts=CUTS if name.endswith("+cuts") else ())
     return out
 
 
-def record_run(monkeypatch, preset: str, num_requests: int = 100, cuts=()):
-    """Simulate examples/pdd.toml on an agentic workload, keeping every
-    routing decision, lifecycle creation, fact and command in order."""
+def record_run(monkeypatch, preset: str, path: Path, num_requests: int = 100, cuts=()):
+    """Simulate examples/pdd.toml (`path`: as written) on an agentic workload,
+    keeping every routing decision, lifecycle creation, fact and command in order."""
     calls: list[tuple] = []
 
     class Recording(RequestLifecycle):
@@ -75,7 +74,7 @@ def record_run(monkeypatch, preset: str, num_requests: int = 100, cuts=()):
     monkeypatch.setattr(driver_mod, "RequestLifecycle", Recording)
     monkeypatch.setattr(cluster_mod.Cluster, "run", run_with_cuts)
     wl = agentic.generate(dataclasses.replace(agentic.PRESETS[preset], num_requests=num_requests))
-    entry_, records, _ = run_runtime_mode(RuntimeMode("pdd", str(EXAMPLES / "pdd.toml"), AS_WRITTEN), wl,
+    entry_, records, _ = run_runtime_mode(RuntimeMode("pdd", str(path), AS_WRITTEN), wl,
                                           Sla(10.0, 1.0))
     return calls, records
 

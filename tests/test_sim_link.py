@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd.sim.link import Link
+from pdd.sim.link import Link, cfs_weight
 
 
 def drain(link, events):
@@ -72,6 +72,31 @@ def test_shared_efficiency_costs_only_while_flows_share():
     assert drain(core, core.add(20.5, "b", 1.0)) == {"a": pytest.approx(21.75), "b": pytest.approx(22.25)}
     with pytest.raises(ValueError, match="shared_efficiency"):
         Link("core2", 1.0, 0.0, shared_efficiency=0.0)
+
+
+def test_a_niced_engine_gets_the_kernels_smaller_share_of_a_shared_core():
+    """Weights split a shared core as CFS splits it by nice value: P (nice 0)
+    and a relay decoder at nice 5 (weight 335 / 1024 in the kernel's table)."""
+    assert cfs_weight(0) == 1.0 and cfs_weight(5) == pytest.approx(335 / 1024, rel=0.01)
+    core = Link("core0", 1.0, 0.0)
+    core.add(0.0, "p", 1.0)
+    ends = drain(core, core.add(0.0, "rld", 1.0, weight=1 / 3))
+    # p at 0.75 until it ends (1.333 s), rld at 0.25 meanwhile (0.333 done), then alone.
+    assert ends == {"p": pytest.approx(4 / 3), "rld": pytest.approx(2.0)}
+    # Equal weights: the even split, whatever the weight's scale.
+    core.add(10.0, "a", 1.0, weight=3.0)
+    assert drain(core, core.add(10.0, "b", 1.0, weight=3.0)) == {"a": pytest.approx(12.0), "b": pytest.approx(12.0)}
+    # A capped flow keeps its cap; what it leaves goes to the others by weight.
+    line = Link("l", 100.0, 0.0)
+    line.add(0.0, "slow", 10, cap_bytes_s=10.0)
+    line.add(0.0, "heavy", 90, weight=2.0)
+    rates = line._rates()
+    assert rates["slow"] == pytest.approx(10.0) and rates["heavy"] == pytest.approx(90.0)
+    line.add(0.0, "light", 45, weight=1.0)
+    rates = line._rates()
+    assert rates["heavy"] == pytest.approx(60.0) and rates["light"] == pytest.approx(30.0)
+    with pytest.raises(ValueError, match="weight"):
+        core.add(20.0, "z", 1.0, weight=0.0)
 
 
 def test_a_streamed_flow_that_yielded_catches_up_with_what_p_has_made():

@@ -463,10 +463,15 @@ def test_filtered_requests_with_a_hot_shared_prefix_warm_md():
 
 
 def _pdd_run_folder(tmp_path: Path):
-    """A bench mode folder of examples/pdd.toml: (folder, spec, MD's name, RLD's name)."""
+    """A bench mode folder of examples/pdd.toml with RLD moved onto MD's core
+    at MD's priority (the example's layout until session 20): (folder, spec,
+    MD's name, RLD's name)."""
     d = tmp_path / "run" / "pdd"
     d.mkdir(parents=True)
-    (d / "deploy.toml").write_text((EXAMPLES / "pdd.toml").read_text())
+    text = (EXAMPLES / "pdd.toml").read_text()
+    i = text.index('role = "relay"')
+    text = text[:i] + text[i:].replace("cpu = 0", "cpu = 1", 1).replace("nice = 5", "nice = 0", 1)
+    (d / "deploy.toml").write_text(text)
     spec = load_spec(d / "deploy.toml")
     md = next(i.name for i in spec.instances if i.role.value == "main")
     rld = next(i.name for i in spec.instances if i.role.value == "relay")
@@ -474,7 +479,7 @@ def _pdd_run_folder(tmp_path: Path):
 
 
 def test_steps_of_a_shared_core_count_as_alone_when_no_neighbour_ran(tmp_path):
-    """MD and RLD share core 1 in examples/pdd.toml: an MD step during which
+    """MD and RLD share core 1 (`_pdd_run_folder`): an MD step during which
     RLD ran no step measures MD's own speed and joins the fit; one that
     overlapped an RLD step carries RLD's time slices and does not."""
     d, spec, md, rld = _pdd_run_folder(tmp_path)
@@ -499,7 +504,7 @@ def test_steps_of_a_shared_core_count_as_alone_when_no_neighbour_ran(tmp_path):
 
 def test_calibration_measures_batch_kernels_and_a_shared_core(tmp_path):
     """Steps made by a known engine: batch-2 decode steps 20% under the smooth
-    model, batch-4 ones 20% over it; MD and RLD (core 1 in examples/pdd.toml)
+    model, batch-4 ones 20% over it; MD and RLD (on one core, `_pdd_run_folder`)
     sometimes step together, each at 0.8 / 2 of the core meanwhile. The fit
     finds both and the replayed mode carries them."""
     from pdd.sim.calibration import _speed_factor
@@ -574,3 +579,53 @@ def test_everything_due_at_a_step_boundary_runs_before_the_next_step():
         d.wait_boundaries(1, lambda t, s=seq(rid): cluster._submit(d, s, t))
     cluster._step_done(d, end.time)
     assert sorted(s.req.spec.request_id for s in d._batch) == ["running", "x", "y"]
+
+
+def test_core_sharing_reads_each_steps_share_of_the_core():
+    """A step of A seconds alone, overlapped by a neighbour for O seconds,
+    runs at e x its share meanwhile: W = A + O (1 - e s). Steps of an engine
+    niced below its neighbour (s = 1/4) and of that neighbour (s = 3/4) give
+    back the same e as two engines of equal priority (s = 1/2)."""
+    from pdd.sim.calibration import core_sharing
+
+    e = 0.8
+    def rec(alone_s: float, overlap_s: float, share: float | None) -> dict:
+        r = {"alone": False, "wall_s": alone_s + overlap_s * (1 - e * (0.5 if share is None else share)),
+             "overlap_s": overlap_s, "A": alone_s}
+        if share is not None:
+            r["share"] = share
+        return r
+    weighted = [rec(0.3, 0.3, 0.25) for _ in range(20)] + [rec(0.4, 0.4, 0.75) for _ in range(20)]
+    assert core_sharing(weighted, lambda r: r["A"]) == pytest.approx(e)
+    equal = [rec(0.3, 0.3, None) for _ in range(40)]          # no "share": two of equal priority
+    assert core_sharing(equal, lambda r: r["A"]) == pytest.approx(e)
+    # Read as equal shares, the niced engine's long walls would have said less.
+    as_equal = [{k: v for k, v in r.items() if k != "share"} for r in weighted]
+    assert core_sharing(as_equal, lambda r: r["A"]) != pytest.approx(e, abs=0.05)
+
+
+def test_a_niced_neighbours_steps_carry_its_share_of_the_core(tmp_path):
+    """examples/pdd.toml: RLD shares P's core at nice 5. A P step that RLD
+    overlapped ran at ~3/4 of the core meanwhile, an RLD step at ~1/4; MD,
+    alone on its core, is never marked."""
+    from pdd.sim.calibration_steps import read_records
+
+    d = tmp_path / "run" / "pdd"
+    d.mkdir(parents=True)
+    (d / "deploy.toml").write_text((EXAMPLES / "pdd.toml").read_text())
+    spec = load_spec(d / "deploy.toml")
+    by_role = {i.role.value: i for i in spec.instances}
+    p, rld, md = by_role["prefill"], by_role["relay"], by_role["main"]
+    assert p.cpu == rld.cpu != md.cpu and (p.nice, rld.nice) == (0, 5)
+    pre = {"num_prefill_tokens": 512, "num_decode_tokens": 0, "batch_size": 1, "context_lens": [512]}
+    dec = {"num_prefill_tokens": 0, "num_decode_tokens": 1, "batch_size": 1, "context_lens": [900]}
+    rows = [{"instance": p.name, "start_s": 10.0, "wall_s": 0.5, **pre},
+            {"instance": rld.name, "start_s": 10.2, "wall_s": 0.4, **dec},
+            {"instance": md.name, "start_s": 10.1, "wall_s": 0.1, **dec}]
+    (d / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recs = {r["name"]: r for r in read_records([tmp_path / "run"])}
+    w = 1.25 ** -5
+    assert recs[p.name]["share"] == pytest.approx(1 / (1 + w))
+    assert recs[rld.name]["share"] == pytest.approx(w / (1 + w))
+    assert recs[p.name]["overlap_s"] == pytest.approx(0.3) and not recs[p.name]["alone"]
+    assert recs[md.name]["alone"] and "share" not in recs[md.name]

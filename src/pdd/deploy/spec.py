@@ -54,6 +54,9 @@ class InstanceSpec:
     kv_port: int
     cost_per_hour: float = 1.0
     cpu: int | None = None            # pin the process to this core
+    # Its CPU priority below the others' (Linux nice, 0-19): an instance that
+    # shares a core with a latency-critical one gives way to it.
+    nice: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
     backend: Backend = Backend.PDD
 
@@ -240,6 +243,9 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
         cpu = d.get("cpu")
         if cpu is not None and (not isinstance(cpu, int) or cpu < 0):
             raise SpecError(f"{w}.cpu must be a core number >= 0, got {cpu!r}")
+        nice = _take(d, "nice", int, w, 0)
+        if not 0 <= nice <= 19:
+            raise SpecError(f"{w}.nice must be 0-19 (a lower priority than the others'), got {nice}")
         cost = _take(d, "cost_per_hour", float, w, 1.0)
         if cost < 0:
             raise SpecError(f"{w}.cost_per_hour must be >= 0")
@@ -247,7 +253,7 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
         instances.append(InstanceSpec(
             name=_take(d, "name", str, w), role=role, datacenter=_take(d, "datacenter", str, w, "A"),
             host=_take(d, "host", str, w, "127.0.0.1"), port=_port(d, "port", w),
-            kv_port=_port(d, "kv_port", w), cost_per_hour=cost, cpu=cpu,
+            kv_port=_port(d, "kv_port", w), cost_per_hour=cost, cpu=cpu, nice=nice,
             engine=engine, backend=backend,
         ))
     links = []

@@ -65,6 +65,8 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path, tls_dir: P
 
     if inst.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {inst.cpu % os.cpu_count()})
+    if inst.nice > 0 and hasattr(os, "nice"):
+        os.nice(inst.nice)
     if inst.backend == Backend.VLLM:
         from pdd.vllm.instance import VllmInstanceServer, build_engine
 

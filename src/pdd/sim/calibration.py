@@ -157,22 +157,24 @@ def core_sharing(recs: list[dict], model_of) -> float | None:
     fraction of one engine's alone (1.0: a perfect processor sharing).
 
     Over the steps that overlapped a neighbour's: a step of A seconds alone
-    that overlapped neighbours' steps for O seconds takes A + O (1 - e/2)
-    when each runs at e/2 while both do. Pooled: e = 2 (1 - sum(W - A) /
-    sum O). `model_of(rec)` is the step's alone time, fit x instance speed.
+    that overlapped neighbours' steps for O seconds takes A + O (1 - e s)
+    when it runs at e s while both do (s: its share of the core, "share",
+    1/2 for two engines of equal priority). Pooled: e = (sum O - sum(W - A))
+    / sum(O s). `model_of(rec)` is the step's alone time, fit x instance speed.
     Measured here for MD and RLD on one core: e ~ 0.9, two processes
     sharing a core lose ~10% to switching and to each other's caches.
     """
-    extra = overlap = 0.0
+    extra = overlap = weighted = 0.0
     for r in recs:
         o = r.get("overlap_s") or 0.0
         if r["alone"] or o < 0.2 * r["wall_s"]:
             continue
         extra += r["wall_s"] - model_of(r)
         overlap += o
+        weighted += o * r.get("share", 0.5)
     if overlap < 5.0:
         return None
-    return min(1.0, max(0.5, 2 * (1 - extra / overlap)))
+    return min(1.0, max(0.5, (overlap - extra) / weighted))
 
 
 def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",

@@ -34,8 +34,8 @@ def step_files(paths: list[Path]) -> list[Path]:
     return out
 
 
-def _instances(steps_path: Path) -> dict[str, tuple[int, bool, str, int | None]]:
-    """instance -> (engine threads, alone on its core, role group, core), from the deploy.toml beside it."""
+def _instances(steps_path: Path) -> dict[str, tuple[int, bool, str, int | None, int]]:
+    """instance -> (engine threads, alone on its core, role group, core, nice), from the deploy.toml beside it."""
     deploy = steps_path.parent / "deploy.toml"
     if not deploy.is_file():
         return {}
@@ -43,15 +43,22 @@ def _instances(steps_path: Path) -> dict[str, tuple[int, bool, str, int | None]]
 
     spec = load_spec(deploy)
     cores = Counter(i.cpu for i in spec.instances if i.cpu is not None)
-    return {i.name: (i.engine.num_threads, i.cpu is None or cores[i.cpu] == 1, role_group(i.role), i.cpu)
+    return {i.name: (i.engine.num_threads, i.cpu is None or cores[i.cpu] == 1, role_group(i.role), i.cpu, i.nice)
             for i in spec.instances}
 
 
-def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None]) -> None:
+def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None],
+                         nice_of: dict[str, int] | None = None) -> None:
     """A step of an instance that shares its core counts as alone when no
     step of its neighbours overlapped it (by the steps' wall-clock starts);
     one that did gains "overlap_s", the seconds its neighbours' steps ran
-    during it."""
+    during it, and "share", what the kernel gives it of the core while its
+    neighbours run too (by their nice values, `link.cfs_weight`: 1/2 for two
+    of equal priority)."""
+    from pdd.sim.link import cfs_weight
+
+    nice_of = nice_of or {}
+    weight = {n: cfs_weight(nice_of.get(n, 0)) for n in core_of}
     spans: dict[int, list[tuple[float, float, str]]] = {}
     for r in recs:
         core = core_of.get(r["name"])
@@ -77,6 +84,8 @@ def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None]) -> No
                     j -= 1
                     overlap += max(0.0, min(b, others[j][1]) - max(a, others[j][0]))
                 r["overlap_s"] = overlap
+                rest = sum(weight[n] for n, c in core_of.items() if c == core and n != name)
+                r["share"] = weight[name] / (weight[name] + rest) if rest else 1.0
 
 
 def read_records(paths: list[Path]) -> list[dict]:
@@ -93,11 +102,12 @@ def read_records(paths: list[Path]) -> list[dict]:
                 continue
             rec = json.loads(line)
             name = rec.get("instance")
-            threads, solo, group, _ = info.get(name, (1, True, role_group(rec.get("role", "decode")), None))
+            threads, solo, group = info.get(name, (1, True, role_group(rec.get("role", "decode"))))[:3]
             rec.update(run=tag, name=name, instance=f"{tag}/{name}", alone=solo, group=group,
                        threads=threads)
             recs.append(rec)
-        _mark_unshared_steps(recs, {n: v[3] for n, v in info.items() if not v[1]})
+        _mark_unshared_steps(recs, {n: v[3] for n, v in info.items() if not v[1]},
+                             {n: v[4] for n, v in info.items()})
         out += recs
     return out
 

@@ -27,7 +27,8 @@ cores shared by several instances. A shared core is a processor-sharing
 server (the `Link` arithmetic with seconds of work for bytes): the steps of
 its instances interleave, each running at e/n speed while n > 1 are busy,
 where e (`ModeSpec.core_sharing`, calibrated, ~0.9 here) is what switching
-between processes leaves of the core.
+between processes leaves of the core; an instance with a nice value gets the
+kernel's smaller share of it (`link.cfs_weight`).
 
 Arrival, routing, prefill and steps live here; KV flows in `transfers.py`
 (`TransfersMixin`); a PDD request's rules (eager tokens, live filter,
@@ -52,7 +53,7 @@ from pdd.sim.cost_model import CostModel
 from pdd.sim.hardware import get_profile
 from pdd.sim.instance import Job, JobKind, Seq, SimInstance
 from pdd.sim.lifecycle_driver import LifecycleDriverMixin
-from pdd.sim.link import Link
+from pdd.sim.link import Link, cfs_weight
 from pdd.sim.events import Arrival, CoreDone, StepEnd
 from pdd.sim.loop import Event, EventLoop
 from pdd.sim.request import SimRequest
@@ -73,6 +74,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         cores = [p.core for p in mode.pools if p.core is not None for _ in range(p.count)]
         shared = {c for c in cores if cores.count(c) > 1}
         self.core_of: dict[str, str] = {}
+        self.core_weight: dict[str, float] = {}
         for pool in mode.pools:
             cost = CostModel(self.model, get_profile(pool.hardware), pool.chips,
                              pool.mfu, pool.mbu, pool.overhead_s, pool.per_seq_s, pool.time_scale)
@@ -96,6 +98,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
                     row_factors=pool.row_factors)
                 if pool.core in shared:
                     self.core_of[iid] = f"core{pool.core}"
+                    self.core_weight[iid] = cfs_weight(pool.nice)
         self.cores = {c: Link(c, 1.0, 0.0, 1.0, shared_efficiency=mode.core_sharing)
                       for c in sorted(set(self.core_of.values()))}
         self.colocated = [i for i in self.instances.values() if i.role is Role.COLOCATED]
@@ -221,7 +224,8 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         if core is None:
             evs.append(Event(t, StepEnd(inst.instance_id, inst.version)))
         else:
-            nxt = self.cores[core].add(now, inst.instance_id, max(t - now, 1e-9))
+            nxt = self.cores[core].add(now, inst.instance_id, max(t - now, 1e-9),
+                                       weight=self.core_weight[inst.instance_id])
             if nxt:
                 evs.append(Event(nxt[0], CoreDone(core, nxt[1])))
         return evs

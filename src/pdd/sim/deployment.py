@@ -146,7 +146,7 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
             datacenter=inst.datacenter, max_batch=e.max_num_seqs,
             token_budget=e.max_num_batched_tokens, prefix_cache=e.enable_prefix_cache,
             name=inst.name, kv_blocks=e.num_blocks, price_per_hour=inst.cost_per_hour,
-            core=inst.cpu, chunk_packing="short_first", **coef))
+            core=inst.cpu, nice=inst.nice, chunk_packing="short_first", **coef))
     block_sizes = {i.engine.block_size for i in spec.instances}
     if len(block_sizes) != 1:
         raise ValueError(f"{spec.name}: instances disagree on engine.block_size {sorted(block_sizes)}")

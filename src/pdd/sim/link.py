@@ -11,6 +11,9 @@ The same class times the steps of engines that time-slice one CPU core (a
 "flow" is a step's seconds of work, bandwidth 1.0); `shared_efficiency` is
 the fraction of the capacity left when two or more flows share it, since
 processes that share a core also lose time to switching between them.
+A flow's `weight` is its share against the others' (1.0 each by default):
+the kernel gives a process of lower priority (a nice value) a smaller share
+of a core it shares (`cfs_weight`).
 
 Background flows (`pdd.policy.copy_yields_line`) yield: while any
 foreground flow is active they get nothing, as the servers' senders pause
@@ -61,6 +64,12 @@ from dataclasses import dataclass
 from pdd.policy.line_order import ages_at, yield_key
 
 
+def cfs_weight(nice: int) -> float:
+    """A process's weight against a nice-0 one on a shared core: Linux's CFS
+    table falls ~1.25x per nice step (nice 5: 335 / 1024)."""
+    return 1.25 ** -nice
+
+
 @dataclass
 class Flow:
     flow_id: str
@@ -74,6 +83,7 @@ class Flow:
     made_s: float = 0.0
     lead: float = 0.0                # bytes already on the line: they go before any priority
     shared: bool = False             # another flow was on the line meanwhile (as P's sender reports)
+    weight: float = 1.0              # its share against the others' (`cfs_weight` on a core)
 
 
 class Link:
@@ -163,17 +173,17 @@ class Link:
         left = self.bandwidth_bytes_s * (self.shared_efficiency if n > 1 else 1.0)
         rates: dict[str, float] = {}
         cap = {f.flow_id: self._cap(f) for f in self.flows.values()}
-        todo = sorted(fg, key=lambda f: cap[f.flow_id])
+        todo = sorted(fg, key=lambda f: cap[f.flow_id] / f.weight)
         while todo:
-            share = min(left / len(todo), self.max_flow_bytes_s)
+            per = left / sum(g.weight for g in todo)       # a unit of weight's share
             f = todo[0]
-            if cap[f.flow_id] < share:
+            if cap[f.flow_id] < min(per * f.weight, self.max_flow_bytes_s):
                 rates[f.flow_id] = cap[f.flow_id]
                 left -= cap[f.flow_id]
                 todo.pop(0)
                 continue
             for g in todo:
-                rates[g.flow_id] = share
+                rates[g.flow_id] = min(per * g.weight, self.max_flow_bytes_s)
             left = 0.0
             break
         left_bg = self.background_pace_bytes_s
@@ -226,17 +236,20 @@ class Link:
         return self._last_s + max(least, 1e-9), self.version
 
     def add(self, now: float, flow_id: str, num_bytes: float,
-            background: bool = False, cap_bytes_s: float | None = None) -> tuple[float, int] | None:
+            background: bool = False, cap_bytes_s: float | None = None,
+            weight: float = 1.0) -> tuple[float, int] | None:
         """Start pushing bytes; returns (time of next completion, version)."""
         if flow_id in self.flows:
             raise ValueError(f"{self.name}: flow {flow_id} already active")
         if cap_bytes_s is not None and not cap_bytes_s > 0:
             raise ValueError(f"{self.name}: a flow's cap must be > 0")
+        if not weight > 0:
+            raise ValueError(f"{self.name}: a flow's weight must be > 0")
         self._advance(now)
         if not background and (self.buffer_bytes > 0 or self.yield_leak_bytes > 0):
             self._buffered_ahead()
         flow = Flow(flow_id, float(num_bytes), float(num_bytes), now, background,
-                    cap_bytes_s=cap_bytes_s or math.inf, made_s=now, shared=bool(self.flows))
+                    cap_bytes_s=cap_bytes_s or math.inf, made_s=now, shared=bool(self.flows), weight=weight)
         for other in self.flows.values():
             other.shared = True
         self.flows[flow_id] = flow

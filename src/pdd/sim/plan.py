@@ -168,6 +168,8 @@ def deployment_doc(spec: DeploymentSpec) -> dict:
     for i in spec.instances:
         d = {"name": i.name, "role": i.role.value, "datacenter": i.datacenter, "host": i.host,
              "port": i.port, "kv_port": i.kv_port, "cost_per_hour": i.cost_per_hour, "cpu": i.cpu}
+        if i.nice:
+            d["nice"] = i.nice
         eng = {f.name: getattr(i.engine, f.name) for f in fields(EngineConfig)
                if getattr(i.engine, f.name) != getattr(default, f.name)}
         if eng:

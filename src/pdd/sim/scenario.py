@@ -51,6 +51,7 @@ class PoolSpec:
     kv_blocks: int | None = None          # fixed KV pool (engine num_blocks) instead of memory-derived
     price_per_hour: float | None = None   # per instance; default chips x the hardware's price
     core: int | None = None               # CPU core the instance is pinned to; a shared core time-slices
+    nice: int = 0                         # its priority there (Linux nice): a smaller share of the shared core
     # Lognormal sigma of each step's time around the model (mean kept): the
     # scatter of measured steps about the calibrated fit. 0: deterministic.
     step_jitter: float = 0.0
