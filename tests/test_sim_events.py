@@ -30,14 +30,14 @@ PDD = ROOT / "examples" / "pdd.toml"
 AS_WRITTEN = {"engine": {"dtype": "float32"}, "links": {"bandwidth_mbps": 100.0}, "policy": {"relay_startup_loan": 8}}
 
 
-def pdd_as_written(folder: Path) -> Path:
+def pdd_as_written(path: Path) -> Path:
     """examples/pdd.toml with RLD back on MD's core at MD's priority, where it
-    was when the lifecycle paths below were counted (session 21 moved it to
-    P's core at nice 5), written into `folder`."""
+    was when the lifecycle paths and the shared-core calibration were counted
+    (session 21 moved it to P's core at nice 5), written to `path`."""
     text = PDD.read_text()
     i = text.index('role = "relay"')
     text = text[:i] + text[i:].replace("cpu = 0", "cpu = 1", 1).replace("nice = 5", "nice = 0", 1)
-    path = Path(folder) / "pdd.toml"
+    path = Path(path)
     path.write_text(text)
     return path
 

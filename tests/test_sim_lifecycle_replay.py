@@ -38,7 +38,7 @@ CUTS = [(t, t + 3.0) for t in (10.0, 30.0, 50.0, 70.0, 90.0, 110.0)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    path = pdd_as_written(tmp_path_factory.mktemp("pdd"))
+    path = pdd_as_written(tmp_path_factory.mktemp("pdd") / "pdd.toml")
     for name in RUNS:
         with pytest.MonkeyPatch.context() as mp:
             out[name] = record_run(mp, name.split("+")[0], path, cuts=CUTS if name.endswith("+cuts") else ())

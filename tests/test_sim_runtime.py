@@ -466,12 +466,11 @@ def _pdd_run_folder(tmp_path: Path):
     """A bench mode folder of examples/pdd.toml with RLD moved onto MD's core
     at MD's priority (the example's layout until session 20): (folder, spec,
     MD's name, RLD's name)."""
+    from test_sim_events import pdd_as_written
+
     d = tmp_path / "run" / "pdd"
     d.mkdir(parents=True)
-    text = (EXAMPLES / "pdd.toml").read_text()
-    i = text.index('role = "relay"')
-    text = text[:i] + text[i:].replace("cpu = 0", "cpu = 1", 1).replace("nice = 5", "nice = 0", 1)
-    (d / "deploy.toml").write_text(text)
+    pdd_as_written(d / "deploy.toml")
     spec = load_spec(d / "deploy.toml")
     md = next(i.name for i in spec.instances if i.role.value == "main")
     rld = next(i.name for i in spec.instances if i.role.value == "relay")

@@ -47,8 +47,7 @@ def _instances(steps_path: Path) -> dict[str, tuple[int, bool, str, int | None, 
             for i in spec.instances}
 
 
-def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None],
-                         nice_of: dict[str, int] | None = None) -> None:
+def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None], nice_of: dict[str, int]) -> None:
     """A step of an instance that shares its core counts as alone when no
     step of its neighbours overlapped it (by the steps' wall-clock starts);
     one that did gains "overlap_s", the seconds its neighbours' steps ran
@@ -57,7 +56,6 @@ def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None],
     of equal priority)."""
     from pdd.sim.link import cfs_weight
 
-    nice_of = nice_of or {}
     weight = {n: cfs_weight(nice_of.get(n, 0)) for n in core_of}
     spans: dict[int, list[tuple[float, float, str]]] = {}
     for r in recs:
@@ -73,6 +71,8 @@ def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None],
             undecided.setdefault(r["name"], []).append(r)
         for name, mine in undecided.items():
             others = [(s, e) for s, e, n in items if n != name]     # sorted by start
+            rest = sum(weight[n] for n, c in core_of.items() if c == core and n != name)
+            share = weight[name] / (weight[name] + rest) if rest else 1.0
             starts = [s for s, _ in others]
             latest_end = list(itertools.accumulate((e for _, e in others), max))
             for r in mine:
@@ -84,8 +84,7 @@ def _mark_unshared_steps(recs: list[dict], core_of: dict[str, int | None],
                     j -= 1
                     overlap += max(0.0, min(b, others[j][1]) - max(a, others[j][0]))
                 r["overlap_s"] = overlap
-                rest = sum(weight[n] for n, c in core_of.items() if c == core and n != name)
-                r["share"] = weight[name] / (weight[name] + rest) if rest else 1.0
+                r["share"] = share
 
 
 def read_records(paths: list[Path]) -> list[dict]:
