@@ -118,6 +118,7 @@ def test_ours_in_worker_times_both_dtypes_in_workers(tiny_model_dir, tmp_path):
     assert r["settings"]["ours_in_worker"] is True
     assert set(r["settings"]["worker_startup_s"]) == {"ours_bf16"}        # "ours" is the timed worker
     assert r["settings"]["others"]["ours_bf16"].endswith(str(Path(bench.__file__).parents[1]) + ")")
+    assert r["settings"]["worker_notes"]["ours_bf16"].startswith("weights on")   # as `pdd serve` starts: its pages
     e = r["decode"]["2"]
     for side in ("ours", "ours_bf16"):
         assert _positive(e[side]["tok_s"]) and e[side]["tokens"] == 2 * r["settings"]["decode_tokens"]

@@ -278,6 +278,7 @@ def _run_all(args, sizes, model, mcfg, folder, ours, others, dtypes, bs, num_blo
             "others": {k: getattr(o, "version", None) or "ours" for k, o in others.items()},
             "vllm_block_size": args.vllm_block_size if args.vs_vllm else None,
             "worker_startup_s": {k: o.startup_s for k, o in others.items() if isinstance(o, Worker)},
+            "worker_notes": {k: o.note for k, o in others.items() if isinstance(o, Worker) and o.note},
             "ours_in_worker": isinstance(timed, Worker),
             "threads": args.threads, "repeats": R, "quick": bool(args.quick), "seed": args.seed,
             "block_size": bs, "num_blocks": num_blocks, "max_num_batched_tokens": budget,

@@ -115,6 +115,7 @@ class Worker:
         if not ready.get("ready"):
             raise RuntimeError(f"worker did not start: {ready}")
         self.version, self.startup_s = ready.get("version"), ready.get("startup_s")
+        self.note = ready.get("note", "")         # e.g. ours: the weights' pages
 
     def _read(self) -> dict:
         import select

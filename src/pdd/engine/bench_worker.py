@@ -109,6 +109,9 @@ class PddBackend:
         self.ours = Ours(model, mcfg, a.block_size, a.num_blocks, a.max_num_batched_tokens, a.max_num_seqs,
                          a.threads)
         self.ours.ecfg = dataclasses.replace(self.ours.ecfg, dtype=a.dtype)
+        self.note = ""
+        if getattr(self.ours.ecfg, "huge_pages", False):   # as `pdd serve` does at start-up, not inside a timing
+            self.note = model.weights_on_huge_pages().line()
 
     def prefill(self, prompt: list[int]) -> dict:
         wall, cpu, _ = self.ours.prefill(prompt)
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     t0 = time.perf_counter()
     backend = BACKENDS[a.backend](a)
-    proto.write(json.dumps({"ready": True, "version": backend.version,
+    proto.write(json.dumps({"ready": True, "version": backend.version, "note": getattr(backend, "note", ""),
                             "startup_s": time.perf_counter() - t0}) + "\n")
     proto.flush()
     serve(backend, sys.stdin, proto)

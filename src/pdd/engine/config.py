@@ -23,8 +23,14 @@ class EngineConfig:
     # keep running decodes' K/V as contiguous rows between steps (engine/decode_rows.py);
     # False: gather them from the block table every step (the reference path)
     decode_rows: bool = True
+    # rebuild the packed weights on 2 MB pages at start-up (model/huge_pages.py):
+    # decode of 8-16 rows ~7-9% faster, ~2-4 s of CPU once per process (SmolLM2)
+    huge_pages: bool = True
 
     def __post_init__(self):
+        for name in ("enable_prefix_cache", "decode_rows", "huge_pages"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"engine.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "num_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:

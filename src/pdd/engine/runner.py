@@ -55,6 +55,9 @@ class ModelRunner:
         if model_dtype != self.dtype:
             raise ValueError(f"engine.dtype is {cfg.dtype} but the model's weights are {model_dtype}: "
                              f"load the model in the engine's dtype")
+        # the packed weights on 2 MB pages, once per model (None: not asked)
+        self.huge_pages = model.weights_on_huge_pages() if cfg.huge_pages and hasattr(
+            model, "weights_on_huge_pages") else None
         self.kv = torch.zeros(
             model_cfg.num_layers, 2, cfg.num_blocks * cfg.block_size,
             model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype,

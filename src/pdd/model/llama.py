@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .fused import fold_norm, linear_add, linear_packed, mlp, rms_scale, rope_
+from .huge_pages import HugePageReport, collapse, tensor_span
 
 # Weight matmuls go through oneDNN with each weight reordered once, at load,
 # into the blocked layout its kernels read (what torch.compile's CPU freezing
@@ -237,6 +238,7 @@ class LlamaModel(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=dtype
         )
         self.packed_logits: Tensor | None = None
+        self.huge_pages: HugePageReport | None = None  # set by weights_on_huge_pages
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._build_rope_cache(cfg.max_position_embeddings)
 
@@ -287,6 +289,19 @@ class LlamaModel(nn.Module):
             layer.pack(enabled)
         w = self.embed_tokens if self.lm_head is None else self.lm_head
         self.packed_logits = pack_weight(w) if enabled else None
+        self.huge_pages = None   # new copies, on whatever pages the allocator gave them
+
+    def packed_weights(self) -> list[Tensor]:
+        """Every packed copy (what a decode step of 4+ rows reads, all of it, every step)."""
+        out = [p for layer in self.layers for p in layer.packed.values() if p is not None]
+        return out + ([self.packed_logits] if self.packed_logits is not None else [])
+
+    def weights_on_huge_pages(self) -> HugePageReport:
+        """Rebuild the packed copies' memory as 2 MB pages (`huge_pages.collapse`), once per pack:
+        a later call returns the first call's report."""
+        if self.huge_pages is None:
+            self.huge_pages = collapse(tensor_span(t) for t in self.packed_weights())
+        return self.huge_pages
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()

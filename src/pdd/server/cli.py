@@ -91,7 +91,9 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path, tls_dir: P
     engine = Engine(model, cfg, inst.engine, tokenizer=tok)
     if inst.role.decodes:
         engine.reserve_decode_rows()
-    return await _run_instance(InstanceServer(spec, inst, secret, engine, tls_dir), spec, inst)
+    pages = engine.runner.huge_pages
+    note = f" ({pages.line()})" if pages is not None else ""
+    return await _run_instance(InstanceServer(spec, inst, secret, engine, tls_dir), spec, inst, note)
 
 
 async def _run_instance(server, spec, inst, note: str = "") -> int:
