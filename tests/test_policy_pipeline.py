@@ -278,6 +278,31 @@ def test_a_cold_prompt_computes_by_ps_step_and_token_costs_not_its_mean_rate():
     assert wait_after_prefill(3.41, 1471, p) < CFG.direct_max_wan_s < wait_after_prefill(3.41, 1471, fitted)
 
 
+def test_a_fit_on_a_warm_ups_few_tokens_is_not_stretched_to_a_cold_prompt():
+    """`heldout-agentic-26s1`: P had run only the bench's first steps (32 and
+    59 tokens, mostly fixed cost) when a cold 1,179-token prompt came; the
+    fit had it compute for 3.7 s (it took 0.8), a 4.1 s copy looked hidden
+    (0.35 s left), the request went direct and its user waited 4.0 s. Steps
+    that small say nothing of 512-token chunks: the whole estimate counts."""
+    from dataclasses import replace
+
+    from pdd.policy.pipeline import wait_after_prefill
+    from pdd.policy.views import PREFILL_FIT_REACH, fit_prefill_cost
+    steps = [(32, 0.117), (59, 0.190)]
+    a, b = fit_prefill_cost(steps)
+    p = replace(inst("p0", Role.PREFILL), chunk_tokens=512, kv_layer_slices=6, prefill_step_s=a,
+                prefill_token_s=b, prefill_tokens_s=91 / 0.307)
+    assert p.prefill_compute_s(1179) > 3.0                      # the stretched fit (not known how far)
+    early = replace(p, prefill_largest_step=59)
+    assert early.prefill_compute_s(1179) is None
+    assert wait_after_prefill(4.07, 1179, early) == 4.07 > CFG.direct_max_wan_s
+    # a warm turn's 60 new tokens are within the steps' reach: the fit stands
+    assert early.prefill_compute_s(60) == pytest.approx(a + 60 * b)
+    # once a step of a quarter chunk or more was measured, the fit stands for the cold prompt too
+    later = replace(p, prefill_largest_step=512 // PREFILL_FIT_REACH)
+    assert later.prefill_compute_s(1179) == pytest.approx(3 * a + 1179 * b)
+
+
 def test_the_prefill_cost_fit_needs_two_step_sizes_and_a_positive_slope():
     from pdd.policy.views import fit_prefill_cost
     assert fit_prefill_cost([]) is None

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import pdd.sim.cluster as cluster_mod
-import pdd.policy.lifecycle as lifecycle_mod
+import pdd.policy.lifecycle_handoff as lifecycle_mod
 from pdd.measure.records import RequestRecord
 from pdd.policy import HandoffSession
 from pdd.sim import cli

@@ -45,6 +45,9 @@ class InstanceView:
     # 512-token chunks, so the mean rate alone mispredicts a cold prompt.
     prefill_step_s: float | None = None
     prefill_token_s: float | None = None
+    # The largest of those steps, in prompt tokens (0: none or not known): how
+    # far the fit may be stretched (`prefill_compute_s`).
+    prefill_largest_step: int = 0
     # Prompt tokens one engine step computes at most (its chunk); 0: unknown.
     chunk_tokens: int = 0
     # Slices a chunk's KV streams in while the chunk computes (P sends each
@@ -67,7 +70,7 @@ class InstanceView:
     def prefill_compute_s(self, new_tokens: int) -> float | None:
         """How long this P computes a prompt's `new_tokens` (`prefill_compute_s`)."""
         return prefill_compute_s(new_tokens, self.chunk_tokens, self.prefill_step_s, self.prefill_token_s,
-                                 self.prefill_tokens_s)
+                                 self.prefill_tokens_s, self.prefill_largest_step)
 
     @property
     def load_fraction(self) -> float:
@@ -81,14 +84,27 @@ class InstanceView:
         return 1.0 - self.kv_free_blocks / self.kv_total_blocks
 
 
+# A P's measured steps speak for steps up to this many times the largest of
+# them. Its step costs are fitted on recent steps; right after start-up those
+# are a warm-up's few tokens (32 and 59 in `heldout-agentic-26s1`), whose
+# per-step cost, stretched to a cold prompt's 512-token chunks, made 1,179
+# tokens take 3.7 s (they took 0.8): the copy was judged hidden behind the
+# prefill, sent direct, and its user waited 4.0 s for the line.
+PREFILL_FIT_REACH = 4
+
+
 def prefill_compute_s(new_tokens: int, chunk_tokens: int, step_s: float | None, token_s: float | None,
-                      tokens_s: float | None) -> float | None:
+                      tokens_s: float | None, largest_step: int = 0) -> float | None:
     """How long a P computes `new_tokens` prompt tokens in chunks of
     `chunk_tokens`: from its fitted step and token costs (`fit_prefill_cost`)
     where it has some, else its mean rate `tokens_s`; None when it has
-    measured neither."""
+    measured neither, or when its steps (the largest: `largest_step` prompt
+    tokens, 0 where not known) were all far smaller than this prompt's
+    steps will be (`PREFILL_FIT_REACH`): then nothing is assumed hidden."""
     if new_tokens <= 0:
         return 0.0
+    if largest_step > 0 and chunk_tokens > 0 and PREFILL_FIT_REACH * largest_step < min(chunk_tokens, new_tokens):
+        return None
     if token_s is not None and token_s > 0 and chunk_tokens > 0:
         return -(-new_tokens // chunk_tokens) * max(step_s or 0.0, 0.0) + new_tokens * token_s
     if tokens_s and tokens_s > 0:

@@ -104,11 +104,13 @@ class Cluster:
                 m.index.apply(s["kv"], now)
             m.send_backlog = (s.get("kv_send_backlog") or {}).get("wan", {})
             self.copies.reported(m.send_backlog.get("requests") or ())
-            cost = fit_prefill_cost([(int(n), float(w)) for n, w in s.get("prefill_steps") or ()])
+            steps = [(int(n), float(w)) for n, w in s.get("prefill_steps") or ()]
+            cost = fit_prefill_cost(steps)
             m.view = replace(m.view, num_running=int(s["num_running"]), num_waiting=int(s["num_waiting"]),
                              kv_free_blocks=int(s["kv_free_blocks"]), kv_total_blocks=int(s["kv_total_blocks"]),
                              step_time_s=s.get("decode_step_s"), prefill_tokens_s=s.get("prefill_tokens_s"),
                              prefill_step_s=cost[0] if cost else None, prefill_token_s=cost[1] if cost else None,
+                             prefill_largest_step=max((n for n, _ in steps), default=0),
                              kv_layer_slices=int(s.get("kv_stream_slices") or 1))
 
         await asyncio.gather(*(one(m) for m in self.members.values()))

@@ -222,6 +222,7 @@ class SimInstance:
             prefill_tokens_s=self.prefill_tokens_s, chunk_tokens=self.token_budget if self.streams_kv else 0,
             prefill_step_s=self.prefill_cost[0] if self.prefill_cost else None,
             prefill_token_s=self.prefill_cost[1] if self.prefill_cost else None,
+            prefill_largest_step=max((n for n, _ in self._prefill_steps), default=0),
             kv_layer_slices=self.kv_layer_slices)
 
     # --- stepping ---------------------------------------------------------
