@@ -139,6 +139,9 @@ def test_up_and_down_leave_no_stray_process(tmp_path, tiny_model_dir):
     assert len(instance) == 1
     assert os.sched_getaffinity(instance[0]) == {core}
     assert os.getpriority(os.PRIO_PROCESS, instance[0]) == 3
+    group = Path(f"/proc/{instance[0]}/autogroup")
+    if group.exists():   # the kernel shares a core between sessions first: the session is niced too
+        assert group.read_text().split()[-1] == "3"
     down = subprocess.run([sys.executable, "-m", "pdd.cli", "down", "-c", str(path)],
                           capture_output=True, text=True, timeout=60, env=env)
     assert down.returncode == 0 and "stopped 2 processes" in down.stdout
