@@ -164,3 +164,14 @@ def test_bad_deployment_file_names_the_field(tmp_path, tiny_model_dir):
         f.write_text(bad)
         with pytest.raises(SpecError, match=field.replace("[", r"\[").replace("]", r"\]")):
             load_spec(f)
+
+
+def test_lower_priority_writes_the_sessions_nice_where_there_is_autogroup(tmp_path):
+    from pdd.server.cli import lower_priority
+
+    group = tmp_path / "autogroup"
+    group.write_text("/autogroup-1 nice 0\n")
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    assert lower_priority(0, group) is True and group.read_text() == "0"   # nice 0: this process unchanged
+    assert lower_priority(0, tmp_path / "none" / "autogroup") is False    # no autogroup: the thread's nice only
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
