@@ -5,6 +5,7 @@ correctly or with a clear error, within its deadline."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import random
 import signal
@@ -175,3 +176,16 @@ def test_lower_priority_writes_the_sessions_nice_where_there_is_autogroup(tmp_pa
     assert lower_priority(0, group) is True and group.read_text() == "0"   # nice 0: this process unchanged
     assert lower_priority(0, tmp_path / "none" / "autogroup") is False    # no autogroup: the thread's nice only
     assert os.getpriority(os.PRIO_PROCESS, 0) == before
+
+    class Busy:      # the kernel takes one unprivileged change per 0.1 s: EAGAIN, then it goes
+        def __init__(self):
+            self.tries, self.text = 0, None
+
+        def write_text(self, text):
+            self.tries += 1
+            if self.tries < 3:
+                raise OSError(errno.EAGAIN, "try again")
+            self.text = text
+
+    busy = Busy()
+    assert lower_priority(0, busy) is True and (busy.tries, busy.text) == (3, "0")
