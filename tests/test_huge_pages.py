@@ -5,12 +5,14 @@ the kernel offers it: the same numbers after, and the pages really huge."""
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 
 from pdd.model.huge_pages import HUGE_PAGE, MADV_COLLAPSE, MADV_HUGEPAGE, chunks_of, collapse, thp_mode
 
 MB = 1 << 20
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pdd.toml"
 
 
 class FakeMadvise:
@@ -76,10 +78,10 @@ def test_engine_config_takes_the_switch_as_a_bool_only():
 def test_a_deployment_file_sets_it_per_engine_and_refuses_a_non_bool(tmp_path):
     from pdd.deploy.spec import SpecError, load_spec
 
-    text = open("examples/pdd.toml").read()
+    text = EXAMPLE.read_text()
     (tmp_path / "off.toml").write_text(text.replace("[engine]\n", "[engine]\nhuge_pages = false\n", 1))
     assert all(not i.engine.huge_pages for i in load_spec(tmp_path / "off.toml").instances)
-    assert all(i.engine.huge_pages for i in load_spec("examples/pdd.toml").instances)
+    assert all(i.engine.huge_pages for i in load_spec(EXAMPLE).instances)
     (tmp_path / "bad.toml").write_text(text.replace("[engine]\n", "[engine]\nhuge_pages = 1\n", 1))
     with pytest.raises(SpecError, match="huge_pages"):
         load_spec(tmp_path / "bad.toml")

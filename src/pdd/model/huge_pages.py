@@ -26,6 +26,7 @@ import errno
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable
 
 HUGE_PAGE = 2 << 20
@@ -79,7 +80,7 @@ def _overlap(chunk: int, spans: list[tuple[int, int]]) -> int:
 def thp_mode() -> str:
     """The kernel's transparent-huge-page mode ("always", "madvise", "never"), or "" where unknown."""
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return ""
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else ""
