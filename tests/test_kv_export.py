@@ -135,3 +135,27 @@ def test_a_streamed_block_goes_in_parts_of_at_least_64_kib():
         assert lay.layers_per_part * lay.block_bytes // lay.num_layers >= STREAM_PART_MIN_BYTES
     assert layers_per_part(512 * 10**6, 60) == 1                 # report-scale blocks: every layer
     assert layers_per_part(1000, 4) == 4                          # never more than the model has
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_bytes_of_a_strided_block_round_trip_in_one_copy_each_way(dtype):
+    import warnings
+
+    import torch
+
+    from pdd.engine.kv_codec import open_block, seal_block
+    from pdd.engine.runner import read_kv_bytes, write_kv_bytes
+
+    pool = torch.randn(4, 2, 64, 3, 8).to(getattr(torch, dtype))        # [L, 2, S, KVH, D], blocks of 16
+    block = pool[:, :, 16:32]                                            # strided, as a pool block is
+    data = read_kv_bytes(block)
+    assert data.readonly and data.ndim == 1 and len(data) == block.numel() * block.element_size()
+    assert bytes(data) == block.contiguous().view(torch.uint8).numpy().tobytes()
+    pool[:, :, 16:32] = 0                                                # the copy does not follow the pool
+    assert bytes(data) != bytes(read_kv_bytes(block))
+    dst = torch.zeros_like(pool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                   # a read-only payload, no warning
+        write_kv_bytes(dst[:, :, 48:64], open_block(memoryview(seal_block(bytes(data))), 0))
+    assert dst[:, :, 48:64].view(torch.uint8).numpy().tobytes() == bytes(data)
+    assert not dst[:, :, :48].any() and dst[:, :, 48:64].any()         # only the block written

@@ -7,6 +7,7 @@ and writes whole blocks as bytes for KV export and import.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pdd.engine.config import EngineConfig
@@ -149,25 +150,44 @@ class ModelRunner:
         bs = self.cfg.block_size
         return self.kv[:, :, block_id * bs : (block_id + 1) * bs]  # [L, 2, bs, KVH, D]
 
-    def read_block(self, block_id: int) -> bytes:
-        return self._block_view(block_id).contiguous().view(torch.uint8).numpy().tobytes()
+    def read_block(self, block_id: int) -> memoryview:
+        return read_kv_bytes(self._block_view(block_id))
 
-    def read_block_layers(self, block_id: int, lo: int, hi: int) -> bytes:
+    def read_block_layers(self, block_id: int, lo: int, hi: int) -> memoryview:
         """Layers [lo, hi) of a block: bytes [lo, hi) x layer_bytes of read_block's."""
         bs = self.cfg.block_size
-        view = self.kv[lo:hi, :, block_id * bs : (block_id + 1) * bs]
-        return view.contiguous().view(torch.uint8).numpy().tobytes()
+        return read_kv_bytes(self.kv[lo:hi, :, block_id * bs : (block_id + 1) * bs])
 
     @property
     def num_layers(self) -> int:
         return self.kv.shape[0]
 
-    def write_block(self, block_id: int, payload: bytes) -> None:
+    def write_block(self, block_id: int, payload: bytes | memoryview) -> None:
         if self.rows is not None:
             self.rows.drop_block(block_id)   # never let a row outlive K/V it was copied from
-        view = self._block_view(block_id)
-        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(view.shape)
-        view.copy_(src)
+        write_kv_bytes(self._block_view(block_id), payload)
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def read_kv_bytes(view: torch.Tensor) -> memoryview:
+    """A strided view of the KV pool as bytes, in one copy
+    (`.contiguous().numpy().tobytes()` made two): a read-only 1-D view of a
+    buffer nobody else holds."""
+    out = torch.empty(view.shape, dtype=view.dtype)
+    out.copy_(view)
+    return memoryview(out.view(-1).view(torch.uint8).numpy()).toreadonly()
+
+
+def write_kv_bytes(view: torch.Tensor, payload: bytes | memoryview) -> None:
+    """`read_kv_bytes`' inverse, in one copy from the (read-only) bytes straight
+    into the strided view: numpy reads a buffer it may not write to without a
+    copy or a warning (torch.frombuffer wants a writable one, and took a
+    `bytearray` copy first); the view is seen as integers of its width, so the
+    bits move unchanged."""
+    dst = view.view(_SAME_WIDTH_INT[view.element_size()]).numpy()
+    np.copyto(dst, np.frombuffer(payload, dtype=dst.dtype).reshape(dst.shape))
 
 
 def trim_heap() -> None:
