@@ -192,3 +192,31 @@ def test_p_reports_its_prefill_rate_as_the_engine_does_tokens_over_time():
     v = i.view()
     assert (v.prefill_step_s, v.prefill_token_s) == pytest.approx(i.prefill_cost)
     assert i.prefill_time_s(1500) == pytest.approx(2 * v.prefill_step_s + 1500 * v.prefill_token_s)
+
+
+def test_a_decoder_step_that_decodes_nothing_takes_the_lone_chunk_factor():
+    """A fresh sequence's first step alone (its partial block as a chunk, no
+    decode beside it) or an extend alone runs `lone_chunk_factor` x its row
+    class's time on a decoder; beside a sequence already decoding, or on P,
+    it does not (the calibration measures those at the fit)."""
+    def first_step(role, factor, with_decode=False, extend=False):
+        i = SimInstance("i0", role, "a", COST, max_batch=8, token_budget=1000, block_size=16,
+                        kv_blocks=10_000, cache=False, max_macro_steps=1, lone_chunk_factor=factor)
+        if extend:
+            i.add_job(Job(req("x", 40), JobKind.PREFILL, 40, 0, 3))
+        else:
+            r = req("fresh", prompt=1000, out=4)
+            r.num_generated = 1
+            s = Seq(r, 1001, 70, relay=False)
+            s.first = 9
+            i.add_seq(s)
+        if with_decode:
+            r = req("old", prompt=1000, out=8)
+            r.num_generated = 1
+            i.add_seq(Seq(r, 1001, 70, relay=False))
+        return i.start_step(0.0)
+    for role in (Role.MAIN, Role.RELAY, Role.DECODE):
+        assert first_step(role, 1.5) == pytest.approx(1.5 * first_step(role, 1.0))
+        assert first_step(role, 1.5, extend=True) == pytest.approx(1.5 * first_step(role, 1.0, extend=True))
+        assert first_step(role, 1.5, with_decode=True) == pytest.approx(first_step(role, 1.0, with_decode=True))
+    assert first_step(Role.PREFILL, 1.5, extend=True) == pytest.approx(first_step(Role.PREFILL, 1.0, extend=True))

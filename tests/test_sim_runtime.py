@@ -554,6 +554,55 @@ def test_calibration_measures_batch_kernels_and_a_shared_core(tmp_path):
     assert _speed_factor([(1.0, 1.0)] * 9 + [(10.0, 1.0)]) == pytest.approx(1.0)
 
 
+def test_calibration_measures_a_decoders_steps_that_decode_nothing(tmp_path):
+    """Two runs alike but for a decoder's lone chunks (a sequence's first step
+    with nothing else decoding, ~3% of its steps as on the servers), which
+    ran 1.5x slower in the second: the fit's lone-chunk factor tells them
+    apart by that much (unshrunk from its prior), keeps it through the
+    calibration file, and the replayed decoders carry it; P's pool does not."""
+    from pdd.sim.calibration import MIN_LONE_STEPS, ROW_PRIOR
+
+    model = get_model("smollm2-135m")
+    truth = CostModel(model, get_profile("cpu"), mfu=0.4, mbu=0.5, overhead_s=0.01, per_seq_s=0.005)
+
+    def run(sub: str, slower: float):
+        rng = random.Random(5)
+        d, spec, md, rld = _pdd_run_folder(tmp_path / sub)
+        rows, t, lone = [], 1000.0, 0
+        for k in range(900):
+            if k % 30 == 29:
+                rec = {"num_prefill_tokens": rng.randint(2, 15), "num_decode_tokens": 0, "batch_size": 1,
+                       "context_lens": [rng.randint(1000, 2000)]}
+                wall, lone = truth.step_time(StepShape.from_record(rec)) * slower, lone + 1
+            else:
+                b = rng.randint(1, 4)
+                rec = {"num_prefill_tokens": 0, "num_decode_tokens": b, "batch_size": b,
+                       "context_lens": [rng.randint(500, 1500) for _ in range(b)]}
+                wall = truth.step_time(StepShape.from_record(rec)) * rng.uniform(0.98, 1.02)
+            rows.append({"instance": md if k % 2 else rld, "start_s": t, "wall_s": wall, **rec})
+            t += wall + 0.001
+        (d / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert lone >= MIN_LONE_STEPS
+        cal = fit([tmp_path / sub / "run"], model)
+        f = cal.fit_for(1, "main").lone_chunk
+        return cal, spec, ((lone + ROW_PRIOR) * f - ROW_PRIOR) / lone      # the factor before the prior
+
+    _, _, plain = run("a", 1.0)
+    cal, spec, slow = run("b", 1.5)
+    assert slow / plain == pytest.approx(1.5, rel=0.03)
+    f = cal.fit_for(1, "main").lone_chunk
+    again = CpuCalibration.from_dict(json.loads(json.dumps(cal.to_dict())))
+    assert again.fit_for(1, "relay").lone_chunk == f != 1.0
+    old = cal.to_dict()
+    for fits in [old["fits"], *old["role_fits"].values()]:
+        for v in fits.values():
+            v.pop("lone_chunk")
+    assert CpuCalibration.from_dict(old).fit_for(1, "main").lone_chunk == 1.0    # a file from before it
+    mode = mode_from_spec(spec, "pdd", cal, run="pdd")
+    factors = {p.role: p.lone_chunk_factor for p in mode.pools}
+    assert factors[Role.MAIN] == factors[Role.RELAY] == f
+
+
 def test_everything_due_at_a_step_boundary_runs_before_the_next_step():
     """As the server's engine loop drains every queued command between two
     steps, two submits due at one boundary both join the step after it: the

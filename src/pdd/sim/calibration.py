@@ -69,6 +69,10 @@ class ThreadFit:
     # A step of n tokens takes row_factors[row_bucket(n) - 1] x the fit (1.0
     # past the end): what the roofline's smooth curve in the rows misses.
     row_factors: tuple[float, ...] = ()
+    # A decoder's step that decodes nothing (a new sequence's first step:
+    # the partial block it recomputes, or an extend, alone) takes this x its
+    # row class's time (`lone_chunk_factor`).
+    lone_chunk: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -206,7 +210,10 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
         pooled_models[threads] = pooled
         groups: dict[str, list[dict]] = {}
         for r in recs:
-            if r["alone"]:
+            # a decoder's lone chunks have a factor of their own (`_lone_chunk_factors`):
+            # in its role's fit they would bend the compute term that the
+            # decode steps leave free
+            if r["alone"] and not _lone_chunk(r):
                 groups.setdefault(r["group"], []).append(r)
         own = {}
         for group, grecs in sorted(groups.items()):
@@ -222,6 +229,11 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
             role_fits[group][threads] = replace(role_fits[group][threads], row_factors=rf)
     rows = {(g, t): f.row_factors for g, byt in role_fits.items() for t, f in byt.items()}
     instance_load = _instance_speeds(alone, rows)
+    for (group, threads), lone in _lone_chunk_factors(alone, instance_load, rows).items():
+        if threads in role_fits.get(group, {}):
+            role_fits[group][threads] = replace(role_fits[group][threads], lone_chunk=lone)
+        elif threads in fits:        # the decoders use the pooled fit (the factor is theirs only)
+            fits[threads] = replace(fits[threads], lone_chunk=lone)
 
     def alone_s(r: dict) -> float:
         m = models.get((r["threads"], r["group"]))
@@ -357,6 +369,40 @@ def _row_factors(alone: list[dict], speeds: dict[str, float]) -> dict[tuple[str,
             row.append(round((len(v) * f + ROW_PRIOR) / (len(v) + ROW_PRIOR), 4))
         out[key] = tuple(row)
     return out
+
+
+# The lone-chunk factor needs this many such steps (pooled over a role
+# group's instances); it is pulled towards 1 as the row factors are.
+MIN_LONE_STEPS = 5
+
+
+def _lone_chunk(r: dict) -> bool:
+    """A decoder's step that decodes nothing."""
+    return r["group"] == "decode" and not int(r["num_decode_tokens"]) and int(r["num_prefill_tokens"]) > 0
+
+
+def _lone_chunk_factors(alone: list[dict], speeds: dict[str, float],
+                        rows: dict[tuple[str, int], tuple[float, ...]]) -> dict[tuple[str, int], float]:
+    """Per decoder group and threads: measured / (fitted x instance speed x
+    row factor) of its steps that decode nothing (prefill tokens only).
+
+    Such a step is a sequence's first on the decoder (the partial block it
+    recomputes with its first token, after an idle spell) or an extend with
+    nothing else to run. Its row class holds mostly decode steps of as many
+    rows, so the row factors miss it: measured here 1.3-1.5x the fit on every
+    decoder (MD, D and RLD, `results/wan-bound-42`, `heldout-agentic-29s1`),
+    against 1.00-1.01 for the same chunks beside decodes. On RLD it is the
+    relayed user's first gap after P's token.
+    """
+    by: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in alone:
+        if not _lone_chunk(r):
+            continue
+        speed = speeds.get(r["instance"], 1.0)
+        by.setdefault((r["group"], r["threads"]), []).append(
+            (r["wall_s"] / (r["fitted_s"] * speed * _row_factor(r, rows)), 1.0))
+    return {key: round((len(v) * _speed_factor(v) + ROW_PRIOR) / (len(v) + ROW_PRIOR), 4)
+            for key, v in by.items() if len(v) >= MIN_LONE_STEPS}
 
 
 def _speed_factor(pairs: list[tuple[float, float]]) -> float:

@@ -95,7 +95,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
                     iid, pool.role, pool.datacenter, cost, pool.max_batch, pool.token_budget,
                     self.block_size, blocks, cache, macro, pool.chunk_packing,
                     jitter=pool.step_jitter, seed=zlib.crc32(f"{mode.seed}/{iid}".encode()),
-                    row_factors=pool.row_factors)
+                    row_factors=pool.row_factors, lone_chunk_factor=pool.lone_chunk_factor)
                 if pool.core in shared:
                     self.core_of[iid] = f"core{pool.core}"
                     self.core_weight[iid] = cfs_weight(pool.nice)

@@ -139,6 +139,7 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
             f = calibration.fit_for(e.num_threads, inst.role.value)
             if f is not None:
                 coef["row_factors"] = f.row_factors
+                coef["lone_chunk_factor"] = f.lone_chunk
                 if opts.step_jitter:
                     coef["step_jitter"] = f.jitter
         pools.append(PoolSpec(

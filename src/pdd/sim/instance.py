@@ -102,7 +102,7 @@ class SimInstance:
                  max_batch: int, token_budget: int, block_size: int, kv_blocks: int,
                  cache: bool, max_macro_steps: int = 32, packing: str = "packed",
                  deliver_s: float = 0.0, jitter: float = 0.0, seed: int = 0,
-                 row_factors: tuple[float, ...] = ()) -> None:
+                 row_factors: tuple[float, ...] = (), lone_chunk_factor: float = 1.0) -> None:
         if kv_blocks <= 0:
             raise ValueError(f"{instance_id}: no KV memory left after the weights")
         self.instance_id, self.role, self.datacenter = instance_id, role, datacenter
@@ -146,6 +146,8 @@ class SimInstance:
         self._jitter = jitter
         self._rng = random.Random(seed) if jitter > 0 else None
         self._row_factors = row_factors
+        # a decoder's step that decodes nothing (`PoolSpec.lone_chunk_factor`)
+        self._lone_chunk = lone_chunk_factor if role not in (Role.PREFILL, Role.COLOCATED) else 1.0
 
     # --- memory -------------------------------------------------------------
     @property
@@ -304,6 +306,10 @@ class SimInstance:
         size = n_dec + len(chunks)
         rf, k_rows = self._row_factors, row_bucket(n_pre + n_dec)
         scale = rf[k_rows - 1] if k_rows <= len(rf) else 1.0
+        if len(fresh) == n_dec and n_pre:
+            # nothing here decodes yet (a fresh sequence's first step computes
+            # its partial block as a prompt chunk, as the engine counts it)
+            scale *= self._lone_chunk
         for i in range(k):
             c_sum = dec_ctx + i * n_dec
             dt = scale * self._time(n_pre + n_dec, size, ctx + c_sum, pairs + c_sum + n_dec)

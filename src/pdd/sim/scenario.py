@@ -58,6 +58,10 @@ class PoolSpec:
     # A step of n tokens takes row_factors[row_bucket(n) - 1] x the model
     # (1.0 past the end): a calibrated engine's kernels by rows per step.
     row_factors: tuple[float, ...] = ()
+    # A decoder's step that decodes nothing (a sequence's first step alone,
+    # an extend alone) takes this x its row class's time (calibrated:
+    # `calibration.ThreadFit.lone_chunk`).
+    lone_chunk_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str):
@@ -75,6 +79,8 @@ class PoolSpec:
         object.__setattr__(self, "row_factors", tuple(float(f) for f in self.row_factors))
         if any(not f > 0 for f in self.row_factors):
             raise ValueError(f"pool {self.role.value}: row_factors must be > 0")
+        if not self.lone_chunk_factor > 0:
+            raise ValueError(f"pool {self.role.value}: lone_chunk_factor must be > 0")
 
     def instance_price(self) -> float:
         if self.price_per_hour is not None:
