@@ -60,7 +60,11 @@ class PolicyConfig:
     # full (the relay's queue and the sockets': ~1-2 MB, 0.13-0.27 s at
     # 60 Mbit/s), and a warm turn's HAVE handshake and its few blocks wait
     # behind them (`results/wan-bound-22`: handshakes 0.17 s median, up to
-    # 0.32, on a shared line against 0.046 alone).
+    # 0.32, on a shared line against 0.046 alone). Session 23: still 0.17 s
+    # at 0.95 on the agentic shape while three cold turns' copies crossed,
+    # 0.05 s at 0.8 (README, "What session 23 found"): the emulated line
+    # carries 97% of its nominal rate, so a burst ahead of a 0.95 pace drains
+    # slowly; 0.8 makes those copies 16% slower, not yet weighed.
     copy_pace: float = 0.95
 
     # --- routing score: saved prefill tokens - load penalty (in tokens) ---
