@@ -31,3 +31,12 @@ def test_from_dict_refuses_unknown_keys():
     assert PolicyConfig.from_dict({"enable_drc": False}).enable_drc is False
     with pytest.raises(ValueError, match="unknown"):
         PolicyConfig.from_dict({"enable_dcr": False})
+
+
+def test_stream_relay_copy_is_a_bool_off_by_default():
+    from pdd.policy import PolicyConfig
+
+    assert PolicyConfig().stream_relay_copy is False
+    assert PolicyConfig.from_dict({"stream_relay_copy": True}).stream_relay_copy is True
+    with pytest.raises(ValueError, match="stream_relay_copy"):
+        PolicyConfig.from_dict({"stream_relay_copy": "yes"})

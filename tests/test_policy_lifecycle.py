@@ -2,6 +2,7 @@
 filter, failover, a WAN cut, each instance gone, the client gone. In
 process, no model, no sockets (milliseconds each)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -121,7 +122,11 @@ def test_relay_one_shot_handoff():
     lc, cmds = started(RELAY)
     assert of(cmds, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False), OpenDecode(Leg.MD, "m0", True)]
     # RLD serves the user meanwhile: the copy to MD yields the line to direct ones.
-    assert of(cmds, StartPrefill)[0].targets == (Transfer("r0"), Transfer("m0", background=True))
+    # The copy to RLD leaves once the prefill is over, not beside its chunks
+    # (`stream_relay_copy`); MD's streams while P computes.
+    assert of(cmds, StartPrefill)[0].targets == (Transfer("r0", streamed=False), Transfer("m0", background=True))
+    _, streaming = started(RELAY, cfg=dataclasses.replace(CFG, stream_relay_copy=True))
+    assert of(streaming, StartPrefill)[0].targets == (Transfer("r0"), Transfer("m0", background=True))
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
     out = rld_tokens(lc, 0, 5)
@@ -213,7 +218,7 @@ def test_relay_catch_up_handoff_sends_batches_until_the_gap_is_small():
 def test_filtered_request_is_rld_only_and_warms_md_with_its_shared_prefix():
     lc, cmds = started(FILTERED, warm_blocks=4)
     assert of(cmds, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False)]
-    assert cmds[-1] == StartPrefill("p0", (Transfer("r0"), Transfer("m0", 4, background=True)))
+    assert cmds[-1] == StartPrefill("p0", (Transfer("r0", streamed=False), Transfer("m0", 4, background=True)))
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
     out = rld_tokens(lc, 0, 20) + lc.handle(DecodeEnded(1.0, Leg.RLD, EndReason.LENGTH))
@@ -224,7 +229,7 @@ def test_filtered_request_is_rld_only_and_warms_md_with_its_shared_prefix():
 
 def test_wan_down_is_rld_only():
     lc, cmds = started(WAN_DOWN)
-    assert cmds[-1] == StartPrefill("p0", (Transfer("r0"),))
+    assert cmds[-1] == StartPrefill("p0", (Transfer("r0", streamed=False),))
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
     out = rld_tokens(lc, 0, 3) + lc.handle(DecodeEnded(1.0, Leg.RLD, EndReason.STOP))

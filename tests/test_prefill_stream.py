@@ -62,3 +62,14 @@ def test_a_streamed_copy_reads_a_bounded_window_ahead_of_the_line(tiny_model, mo
     # Before the bound, the whole prompt (24 blocks) was read in one go.
     assert most_ahead < 3 * block_bytes, (most_ahead, block_bytes)
     assert moved.waits == 0
+
+
+def test_the_copies_that_stream_and_those_that_wait_for_the_prefill():
+    """A target the router marks `"stream": false` (the copy to RLD, unless
+    `PolicyConfig.stream_relay_copy`) and a warm push leave once the prefill
+    has ended (`run` sends every target not yet under way); the others stream
+    while P computes."""
+    targets = [{"name": "rld0", "stream": False}, {"name": "md0", "stream": True},
+               {"name": "md1", "warm_blocks": 2}, {"name": "d0"}]
+    job = PrefillJob(None, "r", [1] * 40, None, targets)
+    assert [t["name"] for t in job._streamed_targets()] == ["md0", "d0"]

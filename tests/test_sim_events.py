@@ -157,16 +157,19 @@ def test_the_log_of_one_relayed_request_tells_its_story(tmp_path):
         return live
 
     assert types[0] == "Arrival" and log[0]["request_id"] == "r1"
-    # P's two copies: to RLD over the local RDMA line, to MD over the WAN,
-    # yielding the line (a relay's copy is background); each a BEGIN, a
-    # HAVE, and, streamed while P computes, a tail after the prefill.
-    (b_rld,), (h_rld,), (t_rld,) = (at(t, flow_id="r1/rld/rld0", link="rdma-A")
-                                    for t in ("BeginArrives", "HaveArrives", "FlowTailArrives"))
+    # P's two copies: to MD over the WAN, yielding the line (a relay's copy
+    # is background), streamed while P computes, so a BEGIN, a HAVE and a
+    # tail after the prefill; to RLD over the local RDMA line once the
+    # prefill is over (`PolicyConfig.stream_relay_copy` off), a BEGIN and a
+    # HAVE after P's last step and no tail.
+    (b_rld,), (h_rld,) = (at(t, flow_id="r1/rld/rld0", link="rdma-A") for t in ("BeginArrives", "HaveArrives"))
+    assert not at("FlowTailArrives", flow_id="r1/rld/rld0")
     (b_md,), (h_md,), (t_md,) = (at(t, flow_id="r1/md/md0", link="wan")
                                  for t in ("BeginArrives", "HaveArrives", "FlowTailArrives"))
-    assert b_rld < h_rld < t_rld and b_md < h_md < t_md
+    assert b_rld < h_rld and b_md < h_md < t_md
     assert log[b_md]["background"] and not log[b_rld]["background"]
-    assert steps("p0") and max(steps("p0")) < t_rld        # the prefill is over before the tails
+    assert steps("p0") and b_md < min(steps("p0")) and max(steps("p0")) < b_rld
+    assert max(steps("p0")) < t_md                          # the prefill is over before the tail
     # MD holds the KV: RLD hears it; the handoff's batches go to MD as
     # extends that continue one another from the prompt's end; RLD hears
     # of each but the final one, after which MD decodes the rest alone.
@@ -185,7 +188,7 @@ def test_the_log_of_one_relayed_request_tells_its_story(tmp_path):
     for ext, back in zip(extends, heard):
         assert ext < min(s for s in steps("md0") if s > ext) < back    # MD ran the batch, then said so
     # RLD made the tokens up to the handoff, MD the rest, and nothing after.
-    assert any(t_rld < s < extends[-1] for s in steps("rld0"))
+    assert any(h_rld < s < extends[-1] for s in steps("rld0"))
     assert not any(s > extends[-1] for s in steps("rld0"))
     assert len([s for s in steps("md0") if s > extends[-1]]) >= 2
     assert types[-1] == "StepEnd" and log[-1]["instance_id"] == "md0"

@@ -66,6 +66,17 @@ class PolicyConfig:
     # carries 97% of its nominal rate, so a burst ahead of a 0.95 pace drains
     # slowly; 0.8 makes those copies 16% slower, not yet weighed.
     copy_pace: float = 0.95
+    # P's copy of a relayed prompt to RLD streams while P computes it (True)
+    # or leaves once the prefill has ended (False). Where RLD shares P's CPU
+    # core (examples/pdd.toml) a streamed copy's sending and RLD's import
+    # ran beside every chunk of the prompt: relayed cold prompts took 1.41x
+    # pd-local's prefill time for the same requests (median of 7,
+    # results/wan-bound-43p), 1.01x with the copy after the prefill
+    # (results/s23-exp-local-after), whose ~0.1 s on the local link then
+    # delays RLD's first token less than a slower prefill did (its first gap
+    # 0.085 s median against 0.22). Where RLD has a machine of its own,
+    # streaming lets it start sooner.
+    stream_relay_copy: bool = False
 
     # --- routing score: saved prefill tokens - load penalty (in tokens) ---
     # One running request costs roughly a decode slot; a queued one delays
@@ -137,6 +148,8 @@ class PolicyConfig:
             raise ValueError("copy_max_yield_s must be > 0")
         if not 0.0 <= self.copy_pace <= 1.0:
             raise ValueError("copy_pace must be in [0, 1]")
+        if not isinstance(self.stream_relay_copy, bool):
+            raise ValueError("stream_relay_copy must be true or false")
         for name in ("penalty_tokens_per_running", "penalty_tokens_per_waiting",
                      "penalty_tokens_kv_full"):
             if getattr(self, name) < 0:

@@ -117,7 +117,7 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
         targets: list[Transfer] = []
         if self.rld_id is not None:
             self._open(Leg.RLD, self.rld_id, hold=False)
-            targets.append(Transfer(self.rld_id))
+            targets.append(Transfer(self.rld_id, streamed=self.cfg.stream_relay_copy))
         if self.md_id is not None:
             self._open(Leg.MD, self.md_id, hold=self.d.pipeline is Pipeline.RELAY)
             self.md_live = True

@@ -164,6 +164,9 @@ class Transfer:
     instance_id: str
     warm_blocks: int = 0     # > 0: only this many prompt blocks, for MD's cache
     background: bool = False  # yields the line to transfers a user waits on (`copy_yields_line`)
+    # leaves P while it computes the prompt (layer by layer); False: once the
+    # prefill has ended (`PolicyConfig.stream_relay_copy`). A warm push never streams.
+    streamed: bool = True
 
 
 @dataclass(frozen=True)

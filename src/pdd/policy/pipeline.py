@@ -200,7 +200,8 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
     if cluster.local is not None and cluster.local.usable and rld is not None:
         # What RLD lacks crosses the local link (its prefix cache skips the rest).
         local = cluster.local.transfer_s(req.missing_kv_bytes(cluster.matched(rld.instance_id)))
-        local = wait_after_prefill(local, new_tokens, p_view)
+        if cfg.stream_relay_copy:       # else it leaves once the prefill has ended: nothing hides
+            local = wait_after_prefill(local, new_tokens, p_view)
         if wait - local < cfg.relay_min_gain_s:
             return direct(f"relay gains {wait - local:.3f}s < {cfg.relay_min_gain_s}s "
                           f"(wan {wait:.3f}s, local {local:.3f}s)")

@@ -63,7 +63,10 @@ class PrefillJob:
         await self.server.loop.moved.wait(seen, STREAM_WAIT_S)
 
     def _streamed_targets(self) -> list[dict]:
-        return [t for t in self.targets if t.get("warm_blocks") is None]
+        """The copies that leave while P computes; the others (a warm push, a
+        copy the router asked for after the prefill: `"stream": false`) go once
+        it has ended."""
+        return [t for t in self.targets if t.get("warm_blocks") is None and t.get("stream", True) is not False]
     @classmethod
     def from_body(cls, server, body: dict) -> "PrefillJob":
         targets = list(body.get("targets", []))

@@ -394,10 +394,11 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         s = req.spec
         evs = self._feed(req, Prefilled(now, 0, stop=s.output_tokens <= 1 < s.max_tokens))
         if req.streamed:
-            # The copies left with the prefill (`_on_prefill_started`); a warm
-            # push of MD's cache goes now.
-            evs += [e for t in req.targets if t.warm_blocks for e in self._send(req, t, now)]
-            return evs + self._tails_after_prefill(req, job, now)
+            # The streamed copies left with the prefill (`_on_prefill_started`);
+            # a warm push of MD's cache, and a copy not streamed, go now.
+            tails = self._tails_after_prefill(req, job, now)
+            return evs + [e for t in req.targets if t.warm_blocks or not t.streamed
+                          for e in self._send(req, t, now)] + tails
 
         def send(t: float) -> list[Event]:
             # Only what the receiver lacks at its HAVE answer travels.
@@ -409,8 +410,8 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
 
 
     def _on_prefill_started(self, p: SimInstance, job: Job, now: float) -> list[Event]:
-        """P starts on the prompt: its copies (StartPrefill's targets but a
-        warm push) start streaming."""
+        """P starts on the prompt: its streamed copies (StartPrefill's targets
+        but a warm push and those `streamed=False`) start."""
         req = job.req
         if p.role is not Role.PREFILL or req.lc is None or req.streamed:
             return []
@@ -419,7 +420,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         if made_s:
             # Layer by layer, its KV crosses no faster than P makes it.
             req.kv_made_by_s = now + made_s
-        return [e for t in req.targets if not t.warm_blocks for e in self._send(req, t, now)]
+        return [e for t in req.targets if not t.warm_blocks and t.streamed for e in self._send(req, t, now)]
 
 
 def _bytes(gbps: float | None) -> float | None:
