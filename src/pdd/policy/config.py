@@ -64,7 +64,9 @@ class PolicyConfig:
     # at 0.95 on the agentic shape while three cold turns' copies crossed,
     # 0.05 s at 0.8 (README, "What session 23 found"): the emulated line
     # carries 97% of its nominal rate, so a burst ahead of a 0.95 pace drains
-    # slowly; 0.8 makes those copies 16% slower, not yet weighed.
+    # slowly; 0.8 makes those copies 16% slower: on the WAN-bound preset
+    # (results/wan-bound-43p) the p99 of the cold turns waiting for them rose
+    # from 22.6 to 28.6 s, where the handshakes were not inflated at 0.95.
     copy_pace: float = 0.95
     # P's copy of a relayed prompt to RLD streams while P computes it (True)
     # or leaves once the prefill has ended (False). Where RLD shares P's CPU
