@@ -107,9 +107,11 @@ def prefill_body(ctx: RequestContext, cluster: Cluster, p: Member, targets: list
             "targets": [target(cluster, p, t, ctx) for t in targets]}
 
 
-def target(cluster: Cluster, p: Member, t: Member, ctx: RequestContext, background: bool = False) -> dict:
+def target(cluster: Cluster, p: Member, t: Member, ctx: RequestContext, background: bool = False,
+           stream: bool = True) -> dict:
     """Where P sends the KV; `background`: the copy yields the line to the
-    transfers a user waits on (`pdd.policy.copy_yields_line`).
+    transfers a user waits on (`pdd.policy.copy_yields_line`); `stream`: it
+    leaves while P computes, not once the prefill has ended (`Transfer.streamed`).
 
     The copy may take as long as its request may: a streamed copy starts
     with P's first chunk and a yielding one waits its turn, so under
@@ -120,7 +122,7 @@ def target(cluster: Cluster, p: Member, t: Member, ctx: RequestContext, backgrou
     copy alive), a cut link by the connection."""
     a = cluster.kv_address(t.spec.name, p.spec.name)
     return {"name": t.spec.name, "host": a.host, "kv_port": a.kv_port, "link": a.link,
-            "deadline_s": ctx.remaining_s(), "background": background}
+            "deadline_s": ctx.remaining_s(), "background": background, "stream": stream}
 
 
 def note_prefill(ctx: RequestContext, ev: dict) -> None:

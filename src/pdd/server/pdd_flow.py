@@ -324,7 +324,7 @@ class PddRun:
         ctx.trace.instances["p"] = p.spec.name
         body = prefill_body(ctx, c, p, [])
         for t in cmd.targets:
-            dest = target(c, p, c.members[t.instance_id], ctx, background=t.background) | {"stream": t.streamed}
+            dest = target(c, p, c.members[t.instance_id], ctx, background=t.background, stream=t.streamed)
             body["targets"].append(dest | ({"warm_blocks": t.warm_blocks} if t.warm_blocks else {}))
         self.streams.open("p", p, "/internal/prefill", body, ctx.remaining_s())
         if self.p_counted is None:      # as the PD flows and the simulator count it

@@ -396,9 +396,8 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         if req.streamed:
             # The streamed copies left with the prefill (`_on_prefill_started`);
             # a warm push of MD's cache, and a copy not streamed, go now.
-            tails = self._tails_after_prefill(req, job, now)
-            return evs + [e for t in req.targets if t.warm_blocks or not t.streamed
-                          for e in self._send(req, t, now)] + tails
+            evs += [e for t in req.targets if t.warm_blocks or not t.streamed for e in self._send(req, t, now)]
+            return evs + self._tails_after_prefill(req, job, now)
 
         def send(t: float) -> list[Event]:
             # Only what the receiver lacks at its HAVE answer travels.

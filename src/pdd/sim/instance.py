@@ -28,6 +28,7 @@ from enum import Enum
 
 from pdd.policy import InstanceView, Role
 from pdd.policy.views import fit_prefill_cost, prefill_compute_s
+from pdd.sim.calibration_steps import role_group
 from pdd.sim.cost_model import CostModel, chunk_pairs, row_bucket
 from pdd.sim.prefix_cache import PrefixCache
 from pdd.sim.request import SimRequest
@@ -147,7 +148,7 @@ class SimInstance:
         self._rng = random.Random(seed) if jitter > 0 else None
         self._row_factors = row_factors
         # a decoder's step that decodes nothing (`PoolSpec.lone_chunk_factor`)
-        self._lone_chunk = lone_chunk_factor if role not in (Role.PREFILL, Role.COLOCATED) else 1.0
+        self._lone_chunk = lone_chunk_factor if role_group(role) == "decode" else 1.0
 
     # --- memory -------------------------------------------------------------
     @property

@@ -118,7 +118,7 @@ async def _one_transfer(sender: KVSender, port: int, read, n: int, rid: str, sli
     kw = {"line": "bench", "background": True} if slices else {}
     r0 = receiver.cpu_s() if receiver is not None else 0.0
     c0, t0 = _cpu_s(), time.perf_counter()
-    st = await sender.send("127.0.0.1", port, rid, meta, hashes, lambda i: read(i), deadline_s=600, **kw).wait()
+    st = await sender.send("127.0.0.1", port, rid, meta, hashes, read, deadline_s=600, **kw).wait()
     wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
     r1 = receiver.cpu_s() if receiver is not None else 0.0
     if not st.ok:
