@@ -23,16 +23,21 @@ def test_roundtrip_every_frame_type_fed_byte_by_byte():
         F.encode_end(4),
         F.encode_error("boom"),
         F.encode_cancel("why"),
+        F.encode_segment("/dev/shm/pdd-kv-1-2", 3 << 33),
+        F.encode_ref(9, hashes[4], 5 << 32, 368640),
     ])
     dec = F.FrameDecoder()
     out = []
     for i in range(len(wire)):
         out += dec.feed(wire[i : i + 1])
-    assert [type(f).__name__ for f in out] == ["Hello", "Challenge", "Auth", "Begin", "Have", "Block", "End", "Error", "Cancel"]
+    assert [type(f).__name__ for f in out] == ["Hello", "Challenge", "Auth", "Begin", "Have", "Block", "End", "Error",
+                                               "Cancel", "Segment", "Ref"]
     assert out[3] == F.Begin("req-1", {"model": "m", "n": 3}, hashes, 2.5)
     assert out[4].indices == {0, 3, 10} and out[4].num_blocks == 11
     assert out[5] == F.Block(7, hashes[2], b"payload")
     assert out[6].num_blocks == 4 and out[7].message == "boom" and out[8].reason == "why"
+    assert out[9] == F.Segment("/dev/shm/pdd-kv-1-2", 3 << 33)      # sizes and offsets past 4 GB
+    assert out[10] == F.Ref(9, hashes[4], 5 << 32, 368640)
     assert sum(f.wire_bytes for f in out) == len(wire) == dec.num_bytes
     assert dec.num_buffered_bytes == 0
 
@@ -80,6 +85,10 @@ def test_malformed_payload_with_valid_crc():
         F.FrameDecoder().feed(raw)
     with pytest.raises(F.FrameError, match="16 bytes"):
         F.encode_begin("r", {}, [b"short"])
+    for kind, body in [(F.FrameType.REF, b"\x00" * 31), (F.FrameType.SEGMENT, b"\x00" * 3)]:
+        raw = F._HEADER.pack(F.MAGIC, F.VERSION, kind, 0, len(body), zlib.crc32(body)) + body
+        with pytest.raises(F.FrameError, match=f"malformed {kind.name}"):
+            F.FrameDecoder().feed(raw)
 
 
 def test_part_frames_carry_a_slice_and_optionally_the_blocks_digest():

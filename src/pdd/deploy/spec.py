@@ -121,6 +121,11 @@ class DeploymentSpec:
     # live but queued or busy side sends every kv_keepalive_s) is dead, or
     # its line cut: the transfer fails.
     kv_stall_s: float = 30.0
+    # How KV moves between two instances of one datacenter on the same host
+    # (`[kv] same_host`): "shm", through a shared-memory file, the socket
+    # carrying only the frames that say where (`transport.shm`); "socket":
+    # every byte over the loopback connection, sealed, as across the WAN.
+    kv_same_host: str = "shm"
     source: Path | None = None
 
     @property
@@ -210,7 +215,7 @@ def _port(d: dict, key: str, where: str, default: Any = ...) -> int:
 
 
 def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
-    _unknown(doc, {"name", "model", "router", "engine", "instances", "links", "policy", "timeouts", "tls"},
+    _unknown(doc, {"name", "model", "router", "engine", "instances", "links", "policy", "timeouts", "tls", "kv"},
              "deployment")
     name = _take(doc, "name", str, "deployment", source.stem if source else "deployment")
     model = doc.get("model", {})
@@ -277,6 +282,13 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
     for key in ("stream_stall_s", "kv_stall_s"):
         if _take(timeouts, key, float, "timeouts", 30.0) <= 0:
             raise SpecError(f"timeouts.{key} must be > 0")
+    kv = doc.get("kv", {})
+    if not isinstance(kv, dict):
+        raise SpecError("kv must be a table (same_host = \"shm\" or \"socket\")")
+    _unknown(kv, {"same_host"}, "kv")
+    same_host = _take(kv, "same_host", str, "kv", "shm")
+    if same_host not in ("shm", "socket"):
+        raise SpecError(f"kv.same_host must be \"shm\" or \"socket\", got {same_host!r}")
     spec = DeploymentSpec(
         name=name, model=_take(model, "path", str, "model", "default"),
         router_host=_take(router, "host", str, "router", "127.0.0.1"),
@@ -289,7 +301,7 @@ def parse_spec(doc: dict, source: Path | None = None) -> DeploymentSpec:
         kv_deadline_s=_take(timeouts, "kv_deadline_s", float, "timeouts", 60.0),
         stream_stall_s=_take(timeouts, "stream_stall_s", float, "timeouts", 30.0),
         kv_stall_s=_take(timeouts, "kv_stall_s", float, "timeouts", 30.0),
-        tls=_tls(doc.get("tls", {}), source), source=source,
+        tls=_tls(doc.get("tls", {}), source), kv_same_host=same_host, source=source,
     )
     _check_topology(spec)
     try:

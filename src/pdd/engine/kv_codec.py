@@ -16,6 +16,11 @@ then the bytes. The receiver opens it (open_block) just before the block goes
 into its own pool, so a block altered anywhere between the two pools (in
 either process, or on a link whose CRC was recomputed) is refused; the
 frames' CRC32 only catches accidents, and TLS only guards the wire.
+
+Between two processes on one host a block may instead come through a
+shared-memory segment (`pdd.transport.shm`): no wire lies between the pools,
+and the receiver hands it over unsealed as a `LocalBlock`, a type it makes
+only from a segment it mapped itself. `open_payload` takes either.
 """
 
 from __future__ import annotations
@@ -158,6 +163,27 @@ def decode_blob(blob: bytes, local: KVLayout) -> tuple[KVManifest, list[int], li
 def seal_block(payload: bytes) -> bytes:
     """digest (32) | payload."""
     return hashlib.sha256(payload).digest() + payload
+
+
+class LocalBlock:
+    """A block's bytes in a same-host segment the receiver mapped itself
+    (`pdd.transport.shm`): nothing crossed a wire, so it carries no seal."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view: memoryview):
+        self.view = view
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+
+def open_payload(payload: "bytes | LocalBlock", index: int) -> "bytes | memoryview":
+    """A received block's bytes: a sealed one opened (`open_block`), a
+    same-host one as it lies in its segment (copy it to keep it)."""
+    if isinstance(payload, LocalBlock):
+        return payload.view
+    return open_block(payload, index)
 
 
 def open_block(sealed: bytes, index: int) -> bytes:

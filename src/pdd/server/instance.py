@@ -113,13 +113,15 @@ class InstanceServer:
             self.receiver = await KVReceiver.start(inst.host, inst.kv_port, self.keys.kv, self.arrivals,
                                                    tls=kv_tls, tls_peers=tls.kv_senders(spec),
                                                    stall_timeout_s=spec.kv_stall_s,
-                                                   keepalive_s=spec.kv_keepalive_s)
+                                                   keepalive_s=spec.kv_keepalive_s,
+                                                   shm_dir=spec.kv_same_host == "shm")
         if inst.role == Role.PREFILL:
             peers = tls.kv_peers(spec, inst, self._tls_files()) if tls.uses_tls(spec) else {}
             self.sender = KVSender(self.keys.kv, tls=lambda host, port: peers.get((host, port)), seal_blocks=True,
                                    stall_timeout_s=spec.kv_stall_s, keepalive_s=spec.kv_keepalive_s,
                                    max_yield_s=PolicyConfig.from_dict(spec.policy).copy_max_yield_s,
-                                   paces=copy_pace(spec))
+                                   paces=copy_pace(spec),
+                                   shm_line="local" if spec.kv_same_host == "shm" else None)
         runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
         http_tls = None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pdd.deploy.spec import DeploymentSpec
 from pdd.engine.engine import Engine
-from pdd.engine.kv_codec import BLOCK_DIGEST, KVImportError, open_block
+from pdd.engine.kv_codec import BLOCK_DIGEST, KVImportError, open_payload
 from pdd.policy import PolicyConfig, wait_for_siblings
 from pdd.server.engine_loop import EngineLoop
 from pdd.server.instance_metrics import InstanceMetrics
@@ -181,8 +181,10 @@ class KVArrivals:
         # The import check: from here to the pool the bytes are an immutable
         # object, so what passes is what the sender read. A mismatch fails the
         # transfer (the receiver answers ERROR), so the request takes the
-        # policy's failure path instead of decoding on altered KV.
-        payload = open_block(payload, index)
+        # policy's failure path instead of decoding on altered KV. A block from
+        # a same-host segment is read from it once, straight into the pool
+        # (below, before this returns).
+        payload = open_payload(payload, index)
         # Into the pool as it lands, during the engine's step: at END every
         # block is already there, so a transfer costs no wait for a step.
         self.loop.call_now(lambda e: a.importer.add_block(index, payload))

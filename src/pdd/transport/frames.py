@@ -28,6 +28,10 @@ silently wrong KV. Payloads (big-endian):
                still computing the next block, or a background copy waits its
                turn on the line); it resets the receiver's stall timer, so
                "stalled" means a silent peer, not a queued one
+    SEGMENT    size u64 | path utf8: a same-host transfer's blocks lie in this
+               shared-memory file (`transport.shm`), sent once, after HAVE
+    REF        index u32 | hash (16) | offset u64 | length u32: block `index`
+               is whole in the segment at [offset, offset + length)
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ _HEADER = struct.Struct(">4sBBHII")
 HEADER_BYTES = _HEADER.size  # 16
 _BLOCK_HEAD = struct.Struct(">I16s")
 _PART_HEAD = struct.Struct(">I16sIIB")
+_REF = struct.Struct(">I16sQI")
+_SEGMENT_HEAD = struct.Struct(">Q")
 DIGEST_BYTES = 32
 
 
@@ -69,6 +75,8 @@ class FrameType(IntEnum):
     CANCEL = 9
     PART = 10
     WAIT = 11
+    SEGMENT = 12
+    REF = 13
 
 
 class FrameError(Exception):
@@ -129,6 +137,20 @@ class Part(_Frame):
 
 
 @dataclass
+class Segment(_Frame):
+    path: str
+    size: int
+
+
+@dataclass
+class Ref(_Frame):
+    index: int
+    block_hash: bytes
+    offset: int
+    length: int
+
+
+@dataclass
 class End(_Frame):
     num_blocks: int
     meta: dict = field(default_factory=dict)
@@ -149,7 +171,7 @@ class Wait(_Frame):
     reason: str
 
 
-Frame = Union[Hello, Challenge, Auth, Begin, Have, Block, Part, End, Error, Cancel, Wait]
+Frame = Union[Hello, Challenge, Auth, Begin, Have, Block, Part, Segment, Ref, End, Error, Cancel, Wait]
 
 
 def encode_frame(ftype: FrameType, payload: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
@@ -207,6 +229,18 @@ def encode_part(index: int, block_hash: bytes, offset: int, total: int, data: by
                            0 if digest is None else 1)
     seal = b"" if digest is None else _exact(digest, DIGEST_BYTES, "block digest")
     return encode_frame(FrameType.PART, head + seal + bytes(data), max_frame_bytes)
+
+
+def encode_segment(path: str, size: int) -> bytes:
+    if size < 0:
+        raise FrameError(f"SEGMENT of {size} bytes")
+    return encode_frame(FrameType.SEGMENT, _SEGMENT_HEAD.pack(size) + path.encode()[:4096])
+
+
+def encode_ref(index: int, block_hash: bytes, offset: int, length: int) -> bytes:
+    if offset < 0 or length < 0:
+        raise FrameError(f"REF of {length} bytes at {offset}")
+    return encode_frame(FrameType.REF, _REF.pack(index, _exact(block_hash, HASH_BYTES, "block hash"), offset, length))
 
 
 def encode_end(num_blocks: int, meta: dict | None = None) -> bytes:
@@ -325,7 +359,15 @@ def _parse(ftype: int, body: memoryview) -> Frame:
             if offset + len(data) > total:
                 raise ValueError(f"{len(data)} bytes at {offset} overrun a block of {total}")
             return Part(index, block_hash, offset, total, data, digest)
+        if kind == FrameType.REF:
+            if len(body) != _REF.size:
+                raise ValueError(f"{len(body)} bytes, expected {_REF.size}")
+            index, block_hash, offset, length = _REF.unpack_from(body, 0)
+            return Ref(index, bytes(block_hash), offset, length)
         data = bytes(body)
+        if kind == FrameType.SEGMENT:
+            (size,) = _SEGMENT_HEAD.unpack_from(data, 0)
+            return Segment(data[_SEGMENT_HEAD.size:].decode(), size)
         if kind == FrameType.HELLO:
             return Hello(_exact(data, NONCE_BYTES, "HELLO payload"))
         if kind == FrameType.CHALLENGE:

@@ -10,7 +10,10 @@ next). Per connection:
     loop: BEGIN -> handler.on_begin -> HAVE -> BLOCK* (handler.on_block each)
           -> END -> handler.on_end(SUCCESS) -> END ack
           (a block may come as PART slices instead, in order: it is assembled
-          here and reaches on_block whole, once its last slice is in)
+          here and reaches on_block whole, once its last slice is in; or,
+          from a sender on this host, a SEGMENT naming a shared-memory file
+          and a REF per block in it (`transport.shm`): on_block then gets a
+          `kv_codec.LocalBlock`, a view of the mapped file)
 Every begun transfer ends with exactly one handler.on_end(status), also on a
 corrupt frame, CANCEL, stall, deadline (BEGIN's deadline + grace), dead peer,
 handler error or receiver shutdown; after a failure the connection is closed
@@ -32,8 +35,13 @@ from dataclasses import dataclass, asdict
 from typing import Any, Protocol
 
 from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, server_handshake
+from pathlib import Path
+
+from pdd.engine.kv_codec import LocalBlock
+from pdd.transport import shm
 from pdd.transport.frames import (
-    DEFAULT_MAX_FRAME_BYTES, Begin, Block, Cancel, End, Error, FrameError, Part, Wait, encode_end, encode_error, encode_have,
+    DEFAULT_MAX_FRAME_BYTES, Begin, Block, Cancel, End, Error, FrameError, Part, Ref, Segment, Wait, encode_end,
+    encode_error, encode_have,
 )
 from pdd.transport.state import TransferState, TransferStatus
 from pdd.transport.stream import DEFAULT_KEEPALIVE_S, DEFAULT_STALL_TIMEOUT_S, STREAM_LIMIT_BYTES, FrameStream
@@ -102,8 +110,12 @@ class KVReceiver:
                  auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, deadline_grace_s: float = DEFAULT_DEADLINE_GRACE_S,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED, keepalive_s: float = DEFAULT_KEEPALIVE_S):
+                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED, keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                 shm_dir: Path | None | bool = True):
+        """shm_dir: where a same-host sender's segments may lie (True: the
+        host's /dev/shm if any; None or False: segments are refused)."""
         self.secret = as_secret(secret)
+        self.shm_dir = shm.default_dir() if shm_dir is True else (shm_dir or None)
         self.max_unauthenticated = max_unauthenticated
         self.num_unauthenticated = 0
         self.handler = handler
@@ -208,6 +220,7 @@ class KVReceiver:
         # keepalive_s: HAVE held back, blocks imported slowly (backpressure)
         # or the END ack after the import are a busy receiver, not a dead one.
         ticker = stream.keepalive(self.keepalive_s, "busy")
+        segment: shm.InSegment | None = None
         try:
             try:
                 async with asyncio.timeout_at(self._loop_deadline(deadline)):
@@ -229,6 +242,25 @@ class KVReceiver:
                     frame = self._assemble(begin, missing, partial, frame)
                     if frame is None:
                         continue
+                elif isinstance(frame, Segment):
+                    if segment is not None:
+                        raise _TransferFailed("a second SEGMENT in one transfer")
+                    try:
+                        segment = shm.InSegment.open(frame.path, frame.size, self.shm_dir)
+                    except shm.SegmentError as e:
+                        raise _TransferFailed(f"shared-memory segment refused: {e}") from None
+                    continue
+                elif isinstance(frame, Ref):
+                    if segment is None:
+                        raise _TransferFailed(f"REF of block {frame.index} before any SEGMENT")
+                    if frame.length > self.max_frame_bytes:
+                        raise _TransferFailed(f"block {frame.index} of {frame.length} bytes exceeds "
+                                              f"max_frame_bytes={self.max_frame_bytes}")
+                    try:
+                        view = segment.block(frame.offset, frame.length)
+                    except shm.SegmentError as e:
+                        raise _TransferFailed(f"block {frame.index}: {e}") from None
+                    frame = Block(frame.index, frame.block_hash, LocalBlock(view))
                 if isinstance(frame, Block):
                     try:
                         async with asyncio.timeout_at(self._loop_deadline(deadline)):
@@ -274,6 +306,8 @@ class KVReceiver:
             return False
         finally:
             ticker.cancel()
+            if segment is not None:
+                segment.close()
 
     @staticmethod
     def _loop_deadline(deadline: float | None) -> float | None:

@@ -4,6 +4,8 @@ Lifecycle of a transfer (TransferHandle.poll() shows it without blocking):
     BOOTSTRAPPING  take a pooled connection or connect + authenticate
     WAITING        BEGIN sent, waiting for HAVE
     TRANSFERRING   BLOCK frames for the missing blocks only, drain() after each
+                   (on the local line to a peer on this host: the blocks in a
+                   shared-memory segment, one REF frame each; `transport.shm`)
     SUCCESS        the receiver acknowledged END (it holds every block)
     FAILED         deadline, cancel(), refused/reset, auth failure, corrupt frame, receiver error
 
@@ -17,15 +19,17 @@ import hashlib
 import inspect
 import math
 import time
+from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Sequence, Union
 
 from pdd.engine.kv_codec import BLOCK_DIGEST, seal_block
+from pdd.transport import shm
 from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret
 from pdd.transport.connections import MAX_HANDSHAKES_PER_PEER, ConnectFailed, ConnectionPool
 from pdd.transport.priority import SLICE_BYTES, LineGate
 from pdd.transport.frames import (
     DEFAULT_MAX_FRAME_BYTES, End, Error, FrameError, Have, encode_begin, encode_block, encode_cancel, encode_end,
-    encode_part,
+    encode_part, encode_ref, encode_segment,
 )
 from pdd.transport.state import TransferState, TransferStatus
 from pdd.transport.stream import DEFAULT_KEEPALIVE_S, DEFAULT_STALL_TIMEOUT_S, FrameStream
@@ -60,6 +64,7 @@ class TransferHandle:
         self.line: str | None = None
         self.background = False
         self.block_bytes = 0                   # a block's payload size, for the backlog (0: unknown)
+        self.segment: shm.OutSegment | None = None   # the same-host path's file, if it took one
 
     def bytes_left(self) -> int:
         st = self.status
@@ -91,7 +96,8 @@ class KVSender:
                  max_handshakes_per_peer: int = MAX_HANDSHAKES_PER_PEER,
                  tls: TlsResolver | None = None, seal_blocks: bool = False,
                  keepalive_s: float = DEFAULT_KEEPALIVE_S, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-                 max_yield_s: float = math.inf, paces: dict[str, float] | None = None):
+                 max_yield_s: float = math.inf, paces: dict[str, float] | None = None,
+                 shm_line: str | None = None, shm_dir: Path | None = None):
         """tls: which peers speak TLS and the name each must prove. seal_blocks:
         each BLOCK carries the SHA-256 of its bytes (kv_codec.seal_block), taken
         as get_block returns them, for the receiver to check at import.
@@ -99,8 +105,17 @@ class KVSender:
         before younger ones (`LineGate`, the policy's `copy_max_yield_s`).
         paces: bytes/s per line at which background copies are written, all of
         them together (`pdd.deploy.topology.copy_pace`); a line not named: as
-        fast as TCP takes them."""
+        fast as TCP takes them.
+        shm_line: the line (`"local"`) on which a peer at a loopback address
+        gets the blocks through a shared-memory segment in `shm_dir` (default:
+        the host's /dev/shm) instead of the socket (`transport.shm`); None:
+        always the socket. A peer reached over TLS keeps the socket."""
         self.seal_blocks = seal_blocks
+        self.tls = tls
+        self.shm_line = shm_line
+        self.shm_dir = (shm_dir or shm.default_dir()) if shm_line is not None else None
+        if self.shm_dir is not None:
+            shm.sweep_stale(self.shm_dir)
         self.max_frame_bytes = max_frame_bytes
         self.keepalive_s = keepalive_s
         self.stall_timeout_s = stall_timeout_s
@@ -274,6 +289,10 @@ class KVSender:
         status = handle.status
         source = parts(set(held)) if parts is not None else _whole_blocks(get_block, len(hashes), held)
         digests: dict[int, "hashlib._Hash"] = {}
+        seg = self._segment_for(handle, dest, line, len(hashes) - len(held))
+        slots: dict[int, int] = {}
+        if seg is not None:
+            status.bytes_sent += stream.write(encode_segment(str(seg.path), seg.size))
         try:
             while not answer.done():
                 t0 = time.monotonic()
@@ -294,6 +313,19 @@ class KVSender:
                 i, offset, total, data = item
                 # promoted (above): written as a foreground transfer's, unpaced
                 yields = background and handle.holds_line is None
+                if seg is not None:
+                    # Into the block's slot; the receiver hears of it once whole.
+                    if total != handle.block_bytes:
+                        raise ValueError(f"block {i} of {total} bytes in a segment of "
+                                         f"{handle.block_bytes}-byte slots")
+                    base = slots.setdefault(i, len(slots)) * total
+                    seg.write(base + offset, data)
+                    status.payload_bytes += len(data)
+                    if offset + len(data) >= total:
+                        status.num_blocks_sent += 1
+                        await self._write_frame(stream, encode_ref(i, hashes[i], base, total), line, yields,
+                                                status, dest, hashes[-1])
+                    continue
                 # A background copy goes in slices (PART frames), one per turn on the line.
                 step = SLICE_BYTES if line is not None and background else max(len(data), 1)
                 view = memoryview(data)
@@ -325,9 +357,22 @@ class KVSender:
             await self._transfer(handle, host, port, meta, hashes, get_block, deadline_s, line, background,
                                  finish, parts)
         finally:
+            if handle.segment is not None:
+                handle.segment.close()
             self._let_go(handle)
             if line is not None:
                 self._leave_line(line, handle.status)
+
+    def _segment_for(self, handle: TransferHandle, dest: tuple[str, int], line: str | None,
+                     num_missing: int) -> shm.OutSegment | None:
+        """A shared-memory segment for this transfer's missing blocks, where
+        the same-host path applies and the host has room; else None."""
+        if (self.shm_dir is None or line is None or line != self.shm_line or num_missing <= 0
+                or handle.block_bytes <= 0 or not shm.is_loopback(dest[0])
+                or (self.tls is not None and self.tls(*dest) is not None)):
+            return None
+        handle.segment = shm.OutSegment.create(num_missing * handle.block_bytes, self.shm_dir)
+        return handle.segment
 
     def _join_line(self, line: str, status: TransferStatus) -> None:
         members = self._on_line.setdefault(line, {})

@@ -16,9 +16,12 @@ MB over a warm pooled connection: payload MB/s, and on loopback the CPU time
 per MB of the sending and the receiving process (on the WAN the sender's
 process also runs the relay, so its CPU is not shown); and the time of a
 one-block transfer over a fresh connection (connect, TLS handshake, the HMAC
-challenge-response, BEGIN/HAVE/END). `--slices`: the blocks go as a
-background copy on a named line (64 KB PART frames, as P's copies to MD),
-not whole. The numbers go into docs/DESIGN.md.
+challenge-response, BEGIN/HAVE/END). On loopback a fifth variant, `shm`,
+takes the same-host path of a datacenter's local line (`transport.shm`): the
+blocks through a shared-memory file, one REF frame each on the socket.
+`--slices`: the blocks go as a background copy on a named line (64 KB PART
+frames, as P's copies to MD), not whole (`shm`: written into the file slice
+by slice). The numbers go into docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdd.engine.kv_codec import open_block
+from pdd.engine.kv_codec import open_payload
 from pdd.transport.kv_receiver import KVReceiver
 from pdd.transport.kv_sender import KVSender
 from pdd.transport.tls import TlsFiles, TlsPeer, client_context, issue_deployment_certs, server_context
@@ -74,7 +77,7 @@ class _Sink:
     def on_block(self, rid, index, block_hash, payload):
         from pdd.engine.runner import write_kv_bytes
 
-        write_kv_bytes(_block(self.pool, index), open_block(payload, index) if self.sealed else payload)
+        write_kv_bytes(_block(self.pool, index), open_payload(payload, index) if self.sealed else payload)
 
     def on_end(self, rid, status):
         pass
@@ -97,6 +100,7 @@ def _receiver_main(cert_dir: str, use_tls: bool, dtype: str, ports: mp.Queue, as
 
 
 VARIANTS = (("plain", False, False), ("seal", False, True), ("tls", True, False), ("tls+seal", True, True))
+SHM_LINE = "local"      # the line a sender takes the same-host path on (as a server's P: `[kv] same_host`)
 
 
 class _Receiver:
@@ -116,6 +120,8 @@ async def _one_transfer(sender: KVSender, port: int, read, n: int, rid: str, sli
     hashes = [os.urandom(16) for _ in range(n)]
     meta = {"block_digest": "sha256"} if sender.seal_blocks else {}
     kw = {"line": "bench", "background": True} if slices else {}
+    if sender.shm_line is not None:
+        kw = {"line": SHM_LINE, "background": slices, "block_bytes": len(read(0))}
     r0 = receiver.cpu_s() if receiver is not None else 0.0
     c0, t0 = _cpu_s(), time.perf_counter()
     st = await sender.send("127.0.0.1", port, rid, meta, hashes, read, deadline_s=600, **kw).wait()
@@ -140,8 +146,9 @@ async def _run(args, receivers: dict[bool, _Receiver], ports: dict[bool, int], c
     n = max(1, int(args.mb * 1e6) // block_bytes)
     peer = TlsPeer(client_context(TlsFiles(cert_dir, "p0")), "md0")
 
-    def make(use_tls: bool, seal: bool, reuse: bool = True) -> KVSender:
-        return KVSender(SECRET, reuse_connections=reuse, seal_blocks=seal, tls=(lambda h, p: peer) if use_tls else None)
+    def make(use_tls: bool, seal: bool, reuse: bool = True, same_host: bool = False) -> KVSender:
+        return KVSender(SECRET, reuse_connections=reuse, seal_blocks=seal, tls=(lambda h, p: peer) if use_tls else None,
+                        shm_line=SHM_LINE if same_host else None)
 
     print(f"{args.dtype} blocks of {block_bytes} B, {n * block_bytes / 1e6:.0f} MB per loopback transfer"
           f"{' in 64 KB slices' if args.slices else ''}, WAN {args.wan_mbps:g} Mbit/s {args.latency_ms:g} ms "
@@ -151,22 +158,24 @@ async def _run(args, receivers: dict[bool, _Receiver], ports: dict[bool, int], c
         wan_ports = {t: await link.add_mapping(0, "127.0.0.1", p) for t, p in ports.items()}
         for link_name, by_tls in (("loopback", ports), ("wan", wan_ports)):
             count = n if link_name == "loopback" else max(1, n // args.wan_fraction)
-            senders = {v: make(t, s) for v, t, s in VARIANTS}
-            for v, t, _ in VARIANTS:      # warm: the timed transfers reuse a pooled connection
+            # the same-host path is the local line's only: never across the relay
+            variants = VARIANTS + ((("shm", False, True),) if link_name == "loopback" else ())
+            senders = {v: make(t, s, same_host=v == "shm") for v, t, s in variants}
+            for v, t, _ in variants:      # warm: the timed transfers reuse a pooled connection
                 await _one_transfer(senders[v], by_tls[t], read, 1, "warm", args.slices)
-            runs: dict[str, list[tuple[float, float, float]]] = {v: [] for v, _, _ in VARIANTS}
-            fresh: dict[str, list[float]] = {v: [] for v, _, _ in VARIANTS}
+            runs: dict[str, list[tuple[float, float, float]]] = {v: [] for v, _, _ in variants}
+            fresh: dict[str, list[float]] = {v: [] for v, _, _ in variants}
             for k in range(args.repeat):   # interleaved, so load from other processes hits every variant alike
-                for v, t, s in VARIANTS:
+                for v, t, s in variants:
                     rec = receivers[t] if link_name == "loopback" else None
                     runs[v].append(await _one_transfer(senders[v], by_tls[t], read, count, f"r{k}", args.slices,
                                                        rec))
-                    once = make(t, s, reuse=False)
+                    once = make(t, s, reuse=False, same_host=v == "shm")
                     t0 = time.perf_counter()
                     await _one_transfer(once, by_tls[t], read, 1, f"c{k}", False)
                     fresh[v].append(time.perf_counter() - t0)
                     await once.close()
-            for v, _, _ in VARIANTS:
+            for v, _, _ in variants:
                 await senders[v].close()
                 rate, snd, rcv = (statistics.median(x[j] for x in runs[v]) for j in range(3))
                 cpu = f"sender {snd:5.2f}  receiver {rcv:5.2f} ms CPU/MB" if link_name == "loopback" else " " * 39

@@ -20,7 +20,7 @@ from pathlib import Path
 from aiohttp import web
 
 from pdd.deploy.spec import DeploymentSpec, InstanceSpec, Role
-from pdd.engine.kv_codec import BLOCK_DIGEST, KVImportError, KVManifest, open_block
+from pdd.engine.kv_codec import BLOCK_DIGEST, KVImportError, KVManifest, open_payload
 from pdd.server.instance import InstanceServer
 from pdd.server.kv_arrivals import KVArrivals
 from pdd.transport.state import TransferStatus
@@ -72,7 +72,7 @@ class VllmKVArrivals(KVArrivals):
         a = self.by_id.get(request_id)
         if a is None or a.importer is None:
             raise KVImportError(f"no transfer begun for {request_id}")
-        a.importer.add_block(index, open_block(payload, index))
+        a.importer.add_block(index, bytes(open_payload(payload, index)))   # staged past the segment's life
         a.landed.add(index)
 
     async def on_end(self, request_id: str, status: TransferStatus) -> None:
