@@ -144,7 +144,7 @@ def test_kv_bytes_of_a_strided_block_round_trip_in_one_copy_each_way(dtype):
     import torch
 
     from pdd.engine.kv_codec import open_block, seal_block
-    from pdd.engine.runner import read_kv_bytes, write_kv_bytes
+    from pdd.engine.runner import read_kv_bytes, read_kv_bytes_into, write_kv_bytes
 
     pool = torch.randn(4, 2, 64, 3, 8).to(getattr(torch, dtype))        # [L, 2, S, KVH, D], blocks of 16
     block = pool[:, :, 16:32]                                            # strided, as a pool block is
@@ -159,3 +159,7 @@ def test_kv_bytes_of_a_strided_block_round_trip_in_one_copy_each_way(dtype):
         write_kv_bytes(dst[:, :, 48:64], open_block(memoryview(seal_block(bytes(data))), 0))
     assert dst[:, :, 48:64].view(torch.uint8).numpy().tobytes() == bytes(data)
     assert not dst[:, :, :48].any() and dst[:, :, 48:64].any()         # only the block written
+    # read straight into a buffer (a same-host segment's slot): the same bytes
+    out = bytearray(len(data) + 8)
+    read_kv_bytes_into(dst[:, :, 48:64], memoryview(out)[4:4 + len(data)])
+    assert bytes(out[4:-4]) == bytes(data) and out[:4] == out[-4:] == bytes(4)

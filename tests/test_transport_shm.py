@@ -91,7 +91,13 @@ def test_blocks_cross_through_the_segment_and_nothing_is_left(shm_dir):
             # the socket carried frames, not the 10 blocks' 480 KB
             assert st.payload_bytes == 10 * BLOCK and st.bytes_sent < 8 * 1024
             assert rec.ends[0].ok and rec.ends[0].payload_bytes == 10 * BLOCK
-            assert ours(shm_dir) == []
+            # the sender keeps its file for the next transfer, which reuses it
+            (kept,) = ours(shm_dir)
+            rec.blocks.clear()
+            st = await sender.send("127.0.0.1", receiver.port, "r2", sealed, hashes[::-1], blocks[::-1],
+                                   line="local", block_bytes=BLOCK).wait()
+            assert st.ok and rec.blocks == {i: blocks[::-1][i] for i in range(12) if i not in (0, 5)}
+            assert ours(shm_dir) == [kept] and sender.segments.num_created == 1 == sender.segments.num_reused
             # another line (the WAN, even through a relay on this host) keeps the socket, sealed
             rec2 = Copier()
             receiver.handler = rec2
@@ -102,6 +108,7 @@ def test_blocks_cross_through_the_segment_and_nothing_is_left(shm_dir):
         finally:
             await sender.close()
             await receiver.close()
+        assert ours(shm_dir) == [], "a closed sender leaves no file"
     run(main())
 
 
@@ -126,6 +133,41 @@ def test_a_sealed_socket_transfer_and_a_segment_give_the_same_bytes(shm_dir):
     run(main())
 
 
+def test_blocks_read_straight_into_the_segment(shm_dir):
+    """P's copy of a finished prompt reads each block straight into its slot
+    (`read_into`); `get_block` is not called on that path, and is on the
+    socket's, where the same call falls back to it."""
+    async def main():
+        blocks, hashes = blocks_of(5, seed=5)
+        calls = []
+
+        def get(i):
+            calls.append(i)
+            return blocks[i]
+
+        def into(i, out):
+            out[:] = blocks[i]
+        got = {}
+        for line in ("local", "wan"):
+            rec = Copier(held={1})
+            receiver = await KVReceiver.start("127.0.0.1", 0, SECRET, rec, shm_dir=shm_dir)
+            sender = KVSender(SECRET, seal_blocks=True, shm_line="local", shm_dir=shm_dir)
+            try:
+                st = await sender.send("127.0.0.1", receiver.port, "r", {}, hashes, get, line=line,
+                                       block_bytes=BLOCK, read_into=into).wait()
+                assert st.ok, st.error
+                got[line] = (rec.blocks, all(rec.local.values()), list(calls))
+                calls.clear()
+            finally:
+                await sender.close()
+                await receiver.close()
+        want = {i: blocks[i] for i in (0, 2, 3, 4)}
+        assert got["local"] == (want, True, [])
+        assert got["wan"] == (want, False, [0, 2, 3, 4])
+        assert ours(shm_dir) == []
+    run(main())
+
+
 def test_streamed_slices_land_whole(shm_dir):
     """P's layer-by-layer stream (PART slices as P computes) goes into the
     slots as it comes; the receiver hears of a block once it is whole."""
@@ -147,10 +189,10 @@ def test_streamed_slices_land_whole(shm_dir):
                                    block_bytes=BLOCK, parts=parts).wait()
             assert st.ok, st.error
             assert rec.blocks == {0: blocks[0], 1: blocks[1], 3: blocks[3]} and all(rec.local.values())
-            assert ours(shm_dir) == []
         finally:
             await sender.close()
             await receiver.close()
+        assert ours(shm_dir) == []
     run(main())
 
 
@@ -174,6 +216,7 @@ def test_no_room_or_no_directory_keeps_the_socket(shm_dir, monkeypatch):
             sender = KVSender(SECRET, seal_blocks=True, shm_line="local", shm_dir=shm_dir)
             st = await sender.send("127.0.0.1", receiver.port, "b", {}, hashes, blocks, line="local",
                                    block_bytes=BLOCK).wait()
+            assert ours(shm_dir) == [], "the file of a failed transfer is not kept (the receiver may read it)"
             await sender.close()
             assert not st.ok and "segment" in st.error
             assert not rec.ends[-1].ok and "no shm directory" in rec.ends[-1].error
@@ -241,9 +284,8 @@ def test_the_receiver_refuses_a_segment_it_should_not_open(shm_dir, tmp_path):
 
 def test_a_sender_killed_mid_transfer_fails_it_and_its_file_is_swept(shm_dir):
     """A sender process on this host dies after writing some blocks: the
-    receiver's transfer fails (no hang, the reason said); the receiver had
-    already unlinked the file, and a file the dead sender made but nobody
-    opened is removed by the next sender on the host."""
+    receiver's transfer fails (no hang, the reason said); the files the dead
+    sender made are removed by the next sender on the host."""
     code = f"""
 import asyncio, hashlib, os, sys, time
 from pathlib import Path
@@ -279,8 +321,8 @@ asyncio.run(main())
             assert not st.ok and "connection lost" in st.error
             assert sorted(rec.blocks) == [0, 1, 2]
             left = ours(shm_dir)
-            assert len(left) == 1, left          # the one the receiver never opened
-            assert shm.sweep_stale(shm_dir) == 1 and ours(shm_dir) == []
+            assert len(left) == 2, left          # the sender's, and the one nobody opened
+            assert shm.sweep_stale(shm_dir) == 2 and ours(shm_dir) == []
         finally:
             await receiver.close()
     run(main())

@@ -153,6 +153,11 @@ class ModelRunner:
     def read_block(self, block_id: int) -> memoryview:
         return read_kv_bytes(self._block_view(block_id))
 
+    def read_block_into(self, block_id: int, out: memoryview) -> None:
+        """read_block's bytes written straight into `out` (a same-host
+        segment's slot): one strided copy, no buffer in between."""
+        read_kv_bytes_into(self._block_view(block_id), out)
+
     def read_block_layers(self, block_id: int, lo: int, hi: int) -> memoryview:
         """Layers [lo, hi) of a block: bytes [lo, hi) x layer_bytes of read_block's."""
         bs = self.cfg.block_size
@@ -178,6 +183,12 @@ def read_kv_bytes(view: torch.Tensor) -> memoryview:
     out = torch.empty(view.shape, dtype=view.dtype)
     out.copy_(view)
     return memoryview(out.view(-1).view(torch.uint8).numpy()).toreadonly()
+
+
+def read_kv_bytes_into(view: torch.Tensor, out: memoryview) -> None:
+    """`read_kv_bytes` into a writable buffer of exactly the view's bytes."""
+    dst = view.view(_SAME_WIDTH_INT[view.element_size()]).numpy()
+    np.copyto(np.frombuffer(out, dtype=dst.dtype).reshape(dst.shape), dst)
 
 
 def write_kv_bytes(view: torch.Tensor, payload: bytes | memoryview) -> None:

@@ -42,6 +42,7 @@ from pdd.server.wire import NdjsonWriter, sampling_from_dict
 from pdd.transport import tls
 from pdd.transport.kv_receiver import KVReceiver
 from pdd.transport.kv_sender import KVSender
+from pdd.transport.shm import WARM_SEGMENT_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ class InstanceServer:
                                    max_yield_s=PolicyConfig.from_dict(spec.policy).copy_max_yield_s,
                                    paces=copy_pace(spec),
                                    shm_line="local" if spec.kv_same_host == "shm" else None)
+            if self.sender.segments is not None:
+                self.sender.segments.warm(WARM_SEGMENT_BYTES)
         runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
         http_tls = None

@@ -248,10 +248,12 @@ class PrefillJob:
             manifest = manifest.prefix(int(target["warm_blocks"]))
             rid, extra = f"{self.request_id}.warm", {"warm": True}
         meta = {"first_token": self.first_token} | extra
-        self._send(target, manifest, rid, meta, lambda i: read(block_ids[i]), None)
+        into = getattr(self.server.engine.runner, "read_block_into", None)
+        self._send(target, manifest, rid, meta, lambda i: read(block_ids[i]), None,
+                   read_into=(lambda i, out: into(block_ids[i], out)) if into is not None else None)
 
     def _send(self, target: dict, manifest: KVManifest, rid: str, meta: dict, get_block, finish,
-              parts=None) -> None:
+              parts=None, read_into=None) -> None:
         name = str(target["name"])
         handle = self.server.sender.send(
             str(target["host"]), int(target["kv_port"]), rid, manifest.to_meta() | meta,
@@ -259,6 +261,7 @@ class PrefillJob:
             deadline_s=float(target.get("deadline_s", self.server.spec.kv_deadline_s)),
             line=str(target.get("link", "local")), background=bool(target.get("background", False)),
             finish=finish, block_bytes=self.server.engine.layout.block_bytes, parts=parts,
+            read_into=read_into,
         )
         self.transfers[name] = handle
         asyncio.get_running_loop().create_task(self._report(name, target.get("link", "local"), handle,

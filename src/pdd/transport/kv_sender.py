@@ -65,6 +65,7 @@ class TransferHandle:
         self.background = False
         self.block_bytes = 0                   # a block's payload size, for the backlog (0: unknown)
         self.segment: shm.OutSegment | None = None   # the same-host path's file, if it took one
+        self.read_into: Callable[[int, memoryview], None] | None = None
 
     def bytes_left(self) -> int:
         st = self.status
@@ -114,6 +115,7 @@ class KVSender:
         self.tls = tls
         self.shm_line = shm_line
         self.shm_dir = (shm_dir or shm.default_dir()) if shm_line is not None else None
+        self.segments = shm.SegmentPool(self.shm_dir) if self.shm_dir is not None else None
         if self.shm_dir is not None:
             shm.sweep_stale(self.shm_dir)
         self.max_frame_bytes = max_frame_bytes
@@ -139,7 +141,8 @@ class KVSender:
              get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S, *,
              line: str | None = None, background: bool = False,
              finish: Callable[[], Awaitable[dict]] | None = None, block_bytes: int = 0,
-             parts: PartSource | None = None) -> TransferHandle:
+             parts: PartSource | None = None,
+             read_into: Callable[[int, memoryview], None] | None = None) -> TransferHandle:
         """Starts the transfer as a task of the running loop and returns at once.
         `line` names the link it crosses; on it a `background` transfer yields to
         the others (`pdd.transport.priority`). No line: no priority.
@@ -147,7 +150,10 @@ class KVSender:
         given, is awaited after the last block; what it returns travels in END
         (P's first token, known only once the prefill is over). `parts`, when
         given, replaces `get_block`: the blocks in slices as they come to exist
-        (P sends a chunk's KV layer by layer while computing it)."""
+        (P sends a chunk's KV layer by layer while computing it). `read_into`,
+        when given, writes block i's bytes straight into a buffer; a transfer
+        of blocks that all exist takes it on the same-host path, the block
+        read once into its slot of the segment."""
         status = TransferStatus(request_id, num_blocks=len(block_hashes), started_s=time.monotonic(), meta=dict(meta))
         handle = TransferHandle(status)
         handle.line, handle.background, handle.block_bytes = line, background, block_bytes
@@ -156,6 +162,7 @@ class KVSender:
             if len(blocks) != len(block_hashes):
                 raise ValueError(f"{len(blocks)} blocks for {len(block_hashes)} hashes")
             get_block = blocks.__getitem__
+        handle.read_into = read_into if parts is None else None
         handle.task = asyncio.get_running_loop().create_task(
             self._run(handle, host, port, meta, list(block_hashes), get_block, deadline_s, line, background,
                       finish, parts))
@@ -186,6 +193,8 @@ class KVSender:
             handle.cancel("sender closed")
         await asyncio.gather(*(h.task for h in handles if h.task), return_exceptions=True)
         self.pool.close()
+        if self.segments is not None:
+            self.segments.clear()
 
     @property
     def idle(self) -> bool:
@@ -293,6 +302,9 @@ class KVSender:
         slots: dict[int, int] = {}
         if seg is not None:
             status.bytes_sent += stream.write(encode_segment(str(seg.path), seg.size))
+            if handle.read_into is not None:
+                await source.aclose()
+                source = _into_segment(handle, seg, len(hashes), held)
         try:
             while not answer.done():
                 t0 = time.monotonic()
@@ -313,6 +325,13 @@ class KVSender:
                 i, offset, total, data = item
                 # promoted (above): written as a foreground transfer's, unpaced
                 yields = background and handle.holds_line is None
+                if seg is not None and data is None:      # already read into its slot
+                    base = slots.setdefault(i, len(slots)) * total
+                    status.payload_bytes += total
+                    status.num_blocks_sent += 1
+                    await self._write_frame(stream, encode_ref(i, hashes[i], base, total), line, yields,
+                                            status, dest, hashes[-1])
+                    continue
                 if seg is not None:
                     # Into the block's slot; the receiver hears of it once whole.
                     if total != handle.block_bytes:
@@ -358,7 +377,8 @@ class KVSender:
                                  finish, parts)
         finally:
             if handle.segment is not None:
-                handle.segment.close()
+                self.segments.give_back(handle.segment, handle.status.ok)
+                handle.segment = None
             self._let_go(handle)
             if line is not None:
                 self._leave_line(line, handle.status)
@@ -371,7 +391,7 @@ class KVSender:
                 or handle.block_bytes <= 0 or not shm.is_loopback(dest[0])
                 or (self.tls is not None and self.tls(*dest) is not None)):
             return None
-        handle.segment = shm.OutSegment.create(num_missing * handle.block_bytes, self.shm_dir)
+        handle.segment = self.segments.take(num_missing * handle.block_bytes)
         return handle.segment
 
     def _join_line(self, line: str, status: TransferStatus) -> None:
@@ -514,6 +534,17 @@ async def _whole_blocks(get_block: Callable, n: int, held: set[int]) -> AsyncIte
         if inspect.isawaitable(payload):
             payload = await payload
         yield i, 0, len(payload), payload
+
+
+async def _into_segment(handle: TransferHandle, seg: "shm.OutSegment", n: int,
+                        held: set[int]) -> AsyncIterator[tuple[int, int, int, None]]:
+    """The blocks the receiver lacks, each read straight into its slot of the
+    segment (slot k for the k-th missing block, as `_send_blocks` numbers them)."""
+    bb = handle.block_bytes
+    for k, i in enumerate(j for j in range(n) if j not in held):
+        with seg.slot(k * bb, bb) as out:
+            handle.read_into(i, out)
+        yield i, 0, bb, None
 
 
 async def _late_peer_error(stream: FrameStream) -> str:
