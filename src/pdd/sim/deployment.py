@@ -15,7 +15,7 @@ core pinning and price; the links' bandwidth, latency, jitter and price; the
   is a spread over seeds, as a real run is one draw;
 * model: the embedded SmolLM2-135M (or the local HF folder the file names,
   read from its config.json), KV in the engine's dtype;
-* links inside a datacenter: loopback TCP (~500 MB/s, ~0.1 ms each way);
+* links inside a datacenter: the same-host path or loopback TCP (~500 MB/s, ~0.1 ms each way);
   the WAN: the emulated line, with jitter folded into its latency (a long
   transfer's packets are delivered in order, so it waits on the later ones);
   optionally (`measured_wan_rate`, off by default) one WAN transfer is
@@ -55,7 +55,13 @@ DEFAULT_MODELS = {"default", "smollm2", ""}
 class RuntimeOptions:
     """The machine-dependent constants of a runtime deployment (CLI-tunable)."""
 
-    loopback_gbps: float = 4.0          # ~500 MB/s through the kernel's loopback
+    # A datacenter's local link, ~500 MB/s. Through the loopback socket a
+    # relayed 40-57 MB prompt reached RLD in 0.16-0.65 s on the core P and RLD
+    # share (the replay of `results/wan-bound-44` read PDD's TTFT p90 19% short
+    # at this rate; 4% short at 1 Gbit/s); through the same-host path
+    # (`transport.shm`, since session 24) in 0.025-0.10 s, and the replay of
+    # `-46` reads the p90 2% short at this rate, 4% at 8 Gbit/s.
+    loopback_gbps: float = 4.0
     loopback_one_way_ms: float = 0.1
     request_s: float = 0.010            # router: parse, tokenize, open the streams
     token_s: float = 0.003              # instance NDJSON -> router SSE -> client, per token
