@@ -55,10 +55,14 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     HardwareProfile("mi300x", 2615 * TERA, 192e9, 5.3e12, 448e9, 2.50),
     HardwareProfile("b200", 4500 * TERA, 180e9, 8.0e12, 900e9, 5.00),
     # This CPU, before calibration: one core of FP32 SIMD, DDR bandwidth. Its
-    # bf16 matmuls (AVX-512 BF16, oneDNN) run 4x the FP32 peak: measured, P's
-    # prefill steps of >= 256 tokens made 1,261 tok/s in bf16 against 282 in
-    # fp32 in the same bench (4.5x, `pdd bench --preset wan-bound`, pd-local).
-    HardwareProfile("cpu", 100e9, 16 * GIB, 20e9, 10e9, 0.05, peak_flops_16bit=400e9),
+    # bf16 peak is what one thread's bf16 matmuls of the model's shapes reach
+    # (AMX through oneDNN: [512, 576] x [576, 1536] 1.40, [512, 1536] x [1536,
+    # 576] 1.31 TFLOP/s, best of 30, 2026-12-06). It was 4x the FP32 figure
+    # (0.4 TFLOP/s) until session 24, below what P's prefill reaches in a quiet
+    # hour (512 tokens at context 512 in 0.208 s of CPU, 147 GFLOP by this
+    # model's count: 0.71 TFLOP/s): every bf16 run's prefill fit then sat at
+    # mfu = 1.0, unable to express P's uncontended steps.
+    HardwareProfile("cpu", 100e9, 16 * GIB, 20e9, 10e9, 0.05, peak_flops_16bit=1400e9),
 )}
 
 
