@@ -98,6 +98,11 @@ def test_blocks_cross_through_the_segment_and_nothing_is_left(shm_dir):
                                    line="local", block_bytes=BLOCK).wait()
             assert st.ok and rec.blocks == {i: blocks[::-1][i] for i in range(12) if i not in (0, 5)}
             assert ours(shm_dir) == [kept] and sender.segments.num_created == 1 == sender.segments.num_reused
+            # a smaller transfer in the same (larger) file: the receiver maps what it fills
+            rec.blocks.clear()
+            st = await sender.send("127.0.0.1", receiver.port, "r3", sealed, hashes[6:9], blocks[6:9],
+                                   line="local", block_bytes=BLOCK).wait()
+            assert st.ok and rec.blocks == {1: blocks[7], 2: blocks[8]} and sender.segments.num_reused == 2
             # another line (the WAN, even through a relay on this host) keeps the socket, sealed
             rec2 = Copier()
             receiver.handler = rec2

@@ -301,7 +301,9 @@ class KVSender:
         seg = self._segment_for(handle, dest, line, len(hashes) - len(held))
         slots: dict[int, int] = {}
         if seg is not None:
-            status.bytes_sent += stream.write(encode_segment(str(seg.path), seg.size))
+            # only what this transfer fills: the receiver maps no more (a kept file may be larger)
+            used = (len(hashes) - len(held)) * handle.block_bytes
+            status.bytes_sent += stream.write(encode_segment(str(seg.path), used))
             if handle.read_into is not None:
                 await source.aclose()
                 source = _into_segment(handle, seg, len(hashes), held)
