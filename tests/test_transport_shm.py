@@ -343,3 +343,18 @@ def test_a_kv_block_from_a_segment_goes_into_the_pool_without_a_seal():
     bad[-1] ^= 1
     with pytest.raises(ValueError, match="SHA-256"):
         open_payload(bytes(bad), 3)
+
+
+def test_the_deployment_file_chooses_the_same_host_path():
+    """`[kv] same_host`: "shm" by default, "socket" to keep every byte on the
+    loopback connection; anything else is a clear error."""
+    import tomllib
+
+    from pdd.deploy.spec import SpecError, parse_spec
+
+    doc = tomllib.loads((Path(__file__).parent.parent / "examples" / "pdd.toml").read_text())
+    assert parse_spec(dict(doc)).kv_same_host == "shm"
+    assert parse_spec(dict(doc, kv={"same_host": "socket"})).kv_same_host == "socket"
+    for bad, why in [({"same_host": "rdma"}, "must be"), ({"same": "shm"}, "same"), ("shm", "must be a table")]:
+        with pytest.raises(SpecError, match=why):
+            parse_spec(dict(doc, kv=bad))
