@@ -32,13 +32,12 @@ import logging
 import ssl
 import time
 from dataclasses import dataclass, asdict
-from typing import Any, Protocol
-
-from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, server_handshake
 from pathlib import Path
+from typing import Any, Protocol
 
 from pdd.engine.kv_codec import LocalBlock
 from pdd.transport import shm
+from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret, server_handshake
 from pdd.transport.frames import (
     DEFAULT_MAX_FRAME_BYTES, Begin, Block, Cancel, End, Error, FrameError, Part, Ref, Segment, Wait, encode_end,
     encode_error, encode_have,

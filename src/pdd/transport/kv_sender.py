@@ -298,12 +298,12 @@ class KVSender:
         status = handle.status
         source = parts(set(held)) if parts is not None else _whole_blocks(get_block, len(hashes), held)
         digests: dict[int, "hashlib._Hash"] = {}
-        seg = self._segment_for(handle, dest, line, len(hashes) - len(held))
-        slots: dict[int, int] = {}
+        missing = len(hashes) - len(held)
+        seg = self._segment_for(handle, dest, line, missing)
+        slots: dict[int, int] = {}      # block index -> its slot in the segment
         if seg is not None:
             # only what this transfer fills: the receiver maps no more (a kept file may be larger)
-            used = (len(hashes) - len(held)) * handle.block_bytes
-            status.bytes_sent += stream.write(encode_segment(str(seg.path), used))
+            status.bytes_sent += stream.write(encode_segment(str(seg.path), missing * handle.block_bytes))
             if handle.read_into is not None:
                 await source.aclose()
                 source = _into_segment(handle, seg, len(hashes), held)
@@ -327,22 +327,18 @@ class KVSender:
                 i, offset, total, data = item
                 # promoted (above): written as a foreground transfer's, unpaced
                 yields = background and handle.holds_line is None
-                if seg is not None and data is None:      # already read into its slot
-                    base = slots.setdefault(i, len(slots)) * total
-                    status.payload_bytes += total
-                    status.num_blocks_sent += 1
-                    await self._write_frame(stream, encode_ref(i, hashes[i], base, total), line, yields,
-                                            status, dest, hashes[-1])
-                    continue
                 if seg is not None:
-                    # Into the block's slot; the receiver hears of it once whole.
+                    # Into the block's slot (data None: read there already); the
+                    # receiver hears of it once whole.
                     if total != handle.block_bytes:
                         raise ValueError(f"block {i} of {total} bytes in a segment of "
                                          f"{handle.block_bytes}-byte slots")
                     base = slots.setdefault(i, len(slots)) * total
-                    seg.write(base + offset, data)
-                    status.payload_bytes += len(data)
-                    if offset + len(data) >= total:
+                    n = total if data is None else len(data)
+                    if data is not None:
+                        seg.write(base + offset, data)
+                    status.payload_bytes += n
+                    if offset + n >= total:
                         status.num_blocks_sent += 1
                         await self._write_frame(stream, encode_ref(i, hashes[i], base, total), line, yields,
                                                 status, dest, hashes[-1])
