@@ -73,10 +73,11 @@ def _reference(kv: torch.Tensor, seqs, q: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _run(kv0: torch.Tensor, seqs, q, k, v, min_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(kv0: torch.Tensor, seqs, q, k, v, min_tokens: int,
+         kernel: str = "flash") -> tuple[torch.Tensor, torch.Tensor]:
     kv = kv0.clone()
     md = build_metadata(seqs, BS, min_tokens)
-    att = PagedAttention(kv, md)
+    att = PagedAttention(kv, md, decode_kernel=kernel)
     return att(1, q, k, v), kv
 
 
@@ -124,6 +125,44 @@ def test_bf16_decodes_one_at_a_time_match_the_fp32_reference(seed, layout):
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=1e-2)     # measured <= 5.4e-3
     batched, _ = _run(kv0, seqs, q, k, v, BATCHED)          # the padded bf16 path, as before
     torch.testing.assert_close(out.float(), batched.float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("layout", ["scattered", "runs"])
+@pytest.mark.parametrize("seed", range(3))
+def test_bf16_decodes_by_the_fp32_kernel_round_only_the_output(seed, layout):
+    """The fp32 decode kernel (the context copied to fp32, attended there) on both decode
+    paths and in a mixed step: the fp32 reference over the same bf16 K/V, rounded once to
+    bf16 (within one bf16 step of the output); SDPA's bf16 kernel stays within its own
+    rounding of it; the cache written is the same."""
+    rng = random.Random(200 + seed)
+    torch.manual_seed(seed)
+    kinds = ["decode"] * rng.randrange(1, 9) + (["extend", "decode"] if seed == 2 else [])
+    seqs = _batch(rng, kinds, layout)
+    T = sum(n for _, n, _ in seqs)
+    kv0 = torch.randn(3, 2, NUM_BLOCKS * BS, KVH, D).to(torch.bfloat16)
+    q, k, v = (torch.randn(T, n, D).to(torch.bfloat16) for n in (H, KVH, KVH))
+    for min_tokens in (EACH, BATCHED):
+        out, kv = _run(kv0, seqs, q, k, v, min_tokens, "fp32")
+        ref = _reference(kv[1].float(), seqs, q.float())
+        starts = [sum(n for _, n, _ in seqs[:i]) for i in range(len(seqs))]
+        dec = torch.tensor([t for t, (_, n, _) in zip(starts, seqs) if n == 1])
+        err = (out.float() - ref)[dec].abs()
+        assert (err <= ref[dec].abs() / 128 + 1e-6).all(), err.max()     # bf16 keeps 8 bits
+        flash, kv_flash = _run(kv0, seqs, q, k, v, min_tokens, "flash")
+        torch.testing.assert_close(out.float(), flash.float(), rtol=0, atol=2e-2)
+        assert torch.equal(kv, kv_flash)
+
+
+def test_decode_kernel_choice():
+    assert paged_attention.decode_kernel("auto", torch.float32, KVH, D, H // KVH) == "fp32"
+    assert paged_attention.decode_kernel("flash", torch.bfloat16, KVH, D, H // KVH) == "flash"
+    chosen = paged_attention.decode_kernel("auto", torch.bfloat16, KVH, D, H // KVH)
+    assert chosen in paged_attention.DECODE_KERNELS
+    assert paged_attention._CHOSEN[(torch.bfloat16, KVH, D, H // KVH)] == chosen   # measured once
+    with pytest.raises(ValueError, match="decode attention"):
+        paged_attention.decode_kernel("fast", torch.bfloat16, KVH, D, H // KVH)
+    with pytest.raises(ValueError, match="decode_attention"):
+        EngineConfig(decode_attention="fast")
 
 
 @pytest.mark.parametrize("layout", ["scattered", "runs"])

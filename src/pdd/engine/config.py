@@ -26,6 +26,9 @@ class EngineConfig:
     # rebuild the packed weights on 2 MB pages at start-up (model/huge_pages.py):
     # decode of 8-16 rows ~7-9% faster, ~2-4 s of CPU once per process (SmolLM2)
     huge_pages: bool = True
+    # how decodes are attended in bf16 / fp16 (engine/paged_attention.py, `decode_kernel`):
+    # "flash" (SDPA on the dtype), "fp32" (the context copied to fp32), "auto" (the faster, measured)
+    decode_attention: str = "auto"
 
     def __post_init__(self):
         for name in ("enable_prefix_cache", "decode_rows", "huge_pages"):
@@ -35,6 +38,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"engine.{name} must be a positive integer, got {v!r}")
+        if self.decode_attention not in ("auto", "flash", "fp32"):
+            raise ValueError(f"engine.decode_attention must be auto, flash or fp32, got {self.decode_attention!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"engine.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_num_batched_tokens < self.block_size:

@@ -31,6 +31,19 @@ is a view (q as [KVH, G, D] against K as [KVH, L, D]) instead of a copy.
 Short contexts keep the batched call: there the ~6 small ops per sequence
 per layer would cost more than the copies they save.
 
+How a decode is attended in bf16 (or fp16) depends on the CPU, so each
+process measures it once (`decode_kernel`). SDPA's CPU kernels take one
+query row per head there; on a CPU with AMX they are the fast choice, but on
+an AMD EPYC with AVX-512 bf16 and no AMX one thread took 2.7 ms per layer
+for one decode over 2.5K tokens in bf16 against 0.65 ms in fp32 (a padded
+batch of 16 x 256: 4.0 against 0.49 ms), so a decode step of 8 such
+sequences spent ~0.7 s in attention. The `"fp32"` kernel copies the context's
+K and V into fp32 buffers (exact: every bf16 value is an fp32 value) and
+attends in fp32, rounding only the output to the dtype, as SDPA's kernel
+does: 0.60 ms for that decode, 0.61 ms for the padded batch, copies
+included. Prefill chunks keep SDPA in every dtype (many rows a call: bf16
+ran as fast as fp32 there).
+
 A decode's query attends to its whole context, so the order of the context
 tokens does not matter (softmax and the weighted sum are over a set). Runs of
 consecutive block ids (a prompt's blocks come out of the pool as one run,
@@ -42,6 +55,7 @@ arithmetic, is what a long decode step spends its time on.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +112,85 @@ DECODE_RUN_MIN_BLOCKS = 4
 # Chunks up to this many tokens attend the context before them with their
 # query heads grouped by KV head (`_attend_pieces_multi`).
 GROUP_MAX_ROWS = 32
+
+# How decodes are attended in a dtype other than fp32 (`[engine]
+# decode_attention`): SDPA's kernels on the dtype as it is, or the context
+# copied to fp32 and attended there; "auto" measures both once per process.
+DECODE_KERNELS = ("flash", "fp32")
+_CHOSEN: dict[tuple, str] = {}
+
+
+def decode_kernel(setting: str, dtype: torch.dtype, num_kv_heads: int, head_dim: int,
+                  group: int) -> str:
+    """The decode kernel to use: `setting` itself unless "auto"; fp32 engines
+    always attend in fp32 (the reference paths). "auto" times both kernels on
+    a 1,024-token context and a padded batch of 8 x 256 (~10 ms, alternated,
+    best of 5) and keeps the faster for the rest of the process."""
+    if setting not in DECODE_KERNELS + ("auto",):
+        raise ValueError(f"decode attention must be auto, flash or fp32, got {setting!r}")
+    if dtype is torch.float32:
+        return "fp32"
+    if setting != "auto":
+        return setting
+    key = (dtype, num_kv_heads, head_dim, group)
+    if key not in _CHOSEN:
+        _CHOSEN[key] = _measure(dtype, num_kv_heads, head_dim, group)
+    return _CHOSEN[key]
+
+
+def _measure(dtype: torch.dtype, kvh: int, d: int, group: int) -> str:
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1024, kvh, d, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(kvh * group, d, generator=g).to(dtype)
+    rk, rv = (torch.randn(8, kvh, 256, d, generator=g).to(dtype) for _ in range(2))
+    rq = torch.randn(8, kvh * group, d, generator=g).to(dtype)
+    mask = torch.zeros(8, 1, 1, 256, dtype=dtype)
+    bufs = Fp32Scratch()
+    runs = {"flash": lambda: (_attend_pieces(q, [k], [v]), _sdpa_rows(rq, rk, rv, mask)),
+            "fp32": lambda: (_attend_pieces_fp32(q, [k], [v], bufs), _sdpa_rows_fp32(rq, rk, rv, mask, bufs))}
+    best = {name: float("inf") for name in runs}
+    with torch.inference_mode():
+        for _ in range(5):
+            for name, run in runs.items():
+                t0 = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return min(best, key=best.get)
+
+
+class Fp32Scratch:
+    """fp32 buffers a step's decode attention reuses across layers (grown, never shrunk)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        n = 1
+        for x in shape:
+            n *= x
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[name] = torch.empty(n, dtype=torch.float32)
+        return buf[:n].view(shape)
+
+
+def _sdpa_rows(qd: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """qd [B, H, D] over keys / values [B, KVH, L, D] with an additive mask [B, 1, 1, L] -> [B, H, D]."""
+    return F.scaled_dot_product_attention(qd.unsqueeze(2), keys, values, attn_mask=mask,
+                                          enable_gqa=True).squeeze(2)
+
+
+def _sdpa_rows_fp32(qd: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    bufs: Fp32Scratch) -> torch.Tensor:
+    """`_sdpa_rows` in fp32: K and V copied into fp32 buffers, the output rounded to qd's dtype."""
+    kf = bufs.get("k", tuple(keys.shape))
+    vf = bufs.get("v", tuple(values.shape))
+    kf.copy_(keys)
+    vf.copy_(values)
+    mf = bufs.get("mask", tuple(mask.shape))
+    mf.copy_(mask)
+    od = F.scaled_dot_product_attention(qd.unsqueeze(2).float(), kf, vf, attn_mask=mf, enable_gqa=True)
+    return od.squeeze(2).to(qd.dtype)
 
 
 def split_runs(blocks: list[int], ctx: int, bs: int, min_run: int = DECODE_RUN_MIN_BLOCKS) -> DecodeSeq:
@@ -189,8 +282,11 @@ class PagedAttention:
     """Callable(layer, q[T,H,D], k[T,KVH,D], v[T,KVH,D]) -> out[T,H,D]."""
 
     def __init__(self, kv: torch.Tensor, md: AttentionMetadata, progress=None,
-                 kv_layers: tuple[torch.Tensor, ...] | None = None):
+                 kv_layers: tuple[torch.Tensor, ...] | None = None, decode_kernel: str = "flash"):
         self.kv = kv  # [L, 2, S, KVH, D]
+        # decodes in a dtype other than fp32: "flash" (SDPA on the dtype) or "fp32" (`decode_kernel`)
+        self.fp32_decode = decode_kernel == "fp32" and kv.dtype is not torch.float32
+        self._f32 = Fp32Scratch() if self.fp32_decode else None
         self.kv_layers = kv.unbind(0) if kv_layers is None else kv_layers   # kv[l] per layer
         self.md = md
         self.progress = progress    # StepProgress: counts the layers whose KV this step has written
@@ -279,8 +375,9 @@ class PagedAttention:
             # SDPA turns a bool mask into this (0 / -inf in q's dtype) on every call: once per step instead
             self._dec_mask = torch.zeros(md.decode_mask.shape, dtype=qd.dtype).masked_fill_(
                 ~md.decode_mask, float("-inf"))
-        od = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=self._dec_mask, enable_gqa=True)
-        return od.squeeze(2)                                                 # [B, H, D]
+        if self.fp32_decode:
+            return _sdpa_rows_fp32(qd, kd, vd, self._dec_mask, self._f32)
+        return _sdpa_rows(qd, kd, vd, self._dec_mask)                       # [B, H, D]
 
     def _decode_rows(self, layer: int, qd: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor) -> torch.Tensor:
         """qd [B, H, D], kd/vd [B, KVH, D] (this step's decode tokens) -> [B, H, D], over the rows."""
@@ -308,8 +405,10 @@ class PagedAttention:
         rp = self.md.rows
         if rp.to_rows is not None:
             qd = qd.index_select(0, rp.to_rows)                   # decode order -> row order
-        od = F.scaled_dot_product_attention(qd.unsqueeze(2), rp.keys[layer], rp.values[layer],
-                                            attn_mask=rp.mask, enable_gqa=True).squeeze(2)  # [B, H, D]
+        if self.fp32_decode:
+            od = _sdpa_rows_fp32(qd, rp.keys[layer], rp.values[layer], rp.mask, self._f32)
+        else:
+            od = _sdpa_rows(qd, rp.keys[layer], rp.values[layer], rp.mask)   # [B, H, D]
         return od if rp.to_decodes is None else od.index_select(0, rp.to_decodes)
 
     def _decode_each(self, paged: torch.Tensor, qd: torch.Tensor, KVH: int, H: int, D: int) -> torch.Tensor:
@@ -324,6 +423,9 @@ class PagedAttention:
         scale = D ** -0.5
         for i, d in enumerate(seqs):
             ks, vs = _context_pieces(paged, d, self._each_buf)
+            if self.fp32_decode:
+                out[i] = _attend_pieces_fp32(qd[i], ks, vs, self._f32).view(KVH, G, D)
+                continue
             if qd.dtype is not torch.float32:
                 out[i] = _attend_pieces(qd[i], ks, vs).view(KVH, G, D)
                 continue
@@ -380,6 +482,26 @@ def _attend_pieces(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tenso
     if len(parts) == 1:
         return parts[0][0].view(H, D)
     return _merge_by_lse([o[0] for o, _ in parts], [lse[0] for _, lse in parts]).view(H, D)
+
+
+def _attend_pieces_fp32(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
+                        bufs: Fp32Scratch) -> torch.Tensor:
+    """`_attend_pieces` by the fp32 kernel: the pieces copied head-major into one fp32
+    [KVH, ctx, D] buffer each for K and V, q's heads grouped by KV head, two fp32 matmuls
+    and a softmax; the output rounded to q's dtype."""
+    H, D = q.shape
+    KVH = ks[0].shape[1]
+    ctx = sum(k.shape[0] for k in ks)
+    kf = bufs.get("k", (KVH, ctx, D))
+    vf = bufs.get("v", (KVH, ctx, D))
+    a = 0
+    for k, v in zip(ks, vs):
+        m = k.shape[0]
+        kf[:, a : a + m].copy_(k.transpose(0, 1))
+        vf[:, a : a + m].copy_(v.transpose(0, 1))
+        a += m
+    s = torch.bmm(q.float().view(KVH, H // KVH, D), kf.transpose(1, 2)).mul_(D ** -0.5)   # [KVH, G, ctx]
+    return torch.bmm(torch.softmax(s, -1), vf).view(H, D).to(q.dtype)
 
 
 def _attend_pieces_multi(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:

@@ -118,7 +118,9 @@ async def _serve_instance(spec, inst, secret: bytes, model_dir: Path, tls_dir: P
     if inst.role.decodes:
         engine.reserve_decode_rows()
     pages = engine.runner.huge_pages
-    note = f" ({pages.line()})" if pages is not None else ""
+    notes = ([pages.line()] if pages is not None else []) + (
+        [f"decode attention: {engine.runner.decode_kernel}"] if inst.engine.dtype != "float32" else [])
+    note = f" ({'; '.join(notes)})" if notes else ""
     return await _run_instance(InstanceServer(spec, inst, secret, engine, tls_dir), spec, inst, note)
 
 
