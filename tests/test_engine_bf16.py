@@ -3,21 +3,30 @@ every part that sizes KV knows it), extend equal to step-by-step decoding
 within bf16 rounding, and greedy output close to the fp32 reference.
 
 Tolerances, stated once:
-* extend vs step by step (tiny model, bf16): the same tokens after the
-  extend, and every KV value within 1/64 of its block's largest magnitude
-  (two bf16 steps: bf16 keeps 8 significant bits, and one pass over 20
-  tokens rounds differently from 20 single-token passes);
+* extend vs step by step (tiny model, bf16, either decode kernel): the
+  same tokens up to and including the first one sampled after the extend,
+  and every KV value within 1/64 of its block's largest magnitude (two bf16
+  steps: bf16 keeps 8 significant bits, and one pass over 20 tokens rounds
+  differently from 20 single-token passes). Later tokens may flip a
+  near-tie on those slightly different contexts: with the fp32 decode
+  kernel the 25th of 30 did (random weights), with SDPA's none;
 * the fused bf16 layers (`pdd.model.fused`) and the plain bf16 path, each
   against fp32 (tiny model, 60 tokens): logits within 1/16 of fp32's largest
   magnitude (both measured at ~1/25; they round in different places, so
   they differ from each other about as much) and fp32's top token at >= 90%
   of the positions;
-* against fp32 (SmolLM2, 4 chat prompts): the first 6 greedy tokens equal
-  on every prompt, and with the fp32 answer fed in (teacher forcing, 48
-  tokens each) bf16's top token equals fp32's at >= 90% of the positions.
-  Free-running bf16 output drifts from fp32 once a near-tie flips (here
-  after 7 to 64+ tokens), so the count of equal free-running tokens is
-  the weaker measure.
+* against fp32 (SmolLM2, 4 chat prompts, the fp32 answer fed in: teacher
+  forcing, 48 tokens each): bf16's top token equals fp32's at >= 90% of
+  the positions, and where it does not, fp32 itself nearly tied the two:
+  its logit for its own pick above its logit for bf16's by at most 1/64
+  of its magnitude (two bf16 steps; measured up to 0.0032 on an AMD EPYC
+  without AMX, one flip per prompt, the first at the first token of "What
+  is the capital of France?": 25.325 against 25.243 in fp32). Equal first
+  tokens are no bar: which side of a near-tie bf16 lands on depends on the
+  CPU's matmul kernels (the same prompts agreed on their first 6 tokens on
+  a Xeon with AMX). Free-running bf16 output drifts from fp32 once a
+  near-tie flips, so the count of equal free-running tokens is the weaker
+  measure.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXTEND_KV_RTOL = 1 / 64
 BF16_LOGITS_RTOL = 1 / 16
 BF16_TOP_AGREEMENT = 0.90
-FIRST_TOKENS_EQUAL = 6
+NEAR_TIE = 1 / 64
 TEACHER_FORCED_AGREEMENT = 0.90
 ANSWER_TOKENS = 48
 
@@ -123,19 +132,26 @@ def test_engine_refuses_a_model_in_another_dtype(tiny_model):
         Engine(model, cfg, EngineConfig(num_blocks=8, dtype="bfloat16"))
 
 
-def test_bf16_extend_equals_decoding_step_by_step(tiny_bf16):
+@pytest.mark.parametrize("kernel", ["flash", "fp32"])
+def test_bf16_extend_equals_decoding_step_by_step(tiny_bf16, kernel):
+    """Either decode kernel (`[engine] decode_attention`); SDPA's, the one the
+    contiguous reference uses too, gives the reference's tokens exactly."""
     model, cfg = tiny_bf16
     p = prompt(5, 40)
-    ref = generate_greedy(model, p, 30)
+    ecfg = EngineConfig(num_blocks=64, dtype="bfloat16", decode_attention=kernel)
     step = EngineRequest("s", p, greedy(30), keep_kv=True)
-    e1 = Engine(model, cfg, EngineConfig(num_blocks=64, dtype="bfloat16"))
+    e1 = Engine(model, cfg, ecfg)
+    assert e1.runner.decode_kernel == kernel
     run(e1, [step])
-    assert step.output_token_ids == ref
+    ref = step.output_token_ids
+    if kernel == "flash":
+        assert ref == generate_greedy(model, p, 30)
     # the same request resumed with 20 tokens made elsewhere: one extend pass
     ext = EngineRequest("x", p, greedy(30), output_ids=ref[:20], keep_kv=True)
-    e2 = Engine(model, cfg, EngineConfig(num_blocks=64, dtype="bfloat16"))
+    e2 = Engine(model, cfg, ecfg)
     run(e2, [ext])
-    assert ext.output_token_ids == ref
+    same = next((i for i, (a, b) in enumerate(zip(ext.output_token_ids, ref)) if a != b), len(ref))
+    assert same > 20, (same, ext.output_token_ids, ref)    # the extend's own token and those before it
     for i in range((len(p) + len(ref) - 1) // 16):      # full blocks, extended tokens included
         a = e1.runner._block_view(step.block_ids[i]).float()
         b = e2.runner._block_view(ext.block_ids[i]).float()
@@ -161,10 +177,15 @@ def test_bf16_greedy_agrees_with_fp32_on_smollm2(smollm2, smollm2_dir):
         want = r.output_token_ids
         with torch.inference_mode():      # teacher forcing: bf16 reads fp32's answer
             seq = ids + want
-            hidden = m16(torch.tensor(seq), torch.arange(len(seq)), ContiguousAttention(m16.cfg.num_layers))
-            top = m16.compute_logits(hidden[len(ids) - 1 : -1]).argmax(-1).tolist()
-        # equal top tokens up to k under teacher forcing = bf16's own first k greedy tokens
-        assert top[:FIRST_TOKENS_EQUAL] == want[:FIRST_TOKENS_EQUAL], q
+            logits = {}
+            for name, m in (("fp32", m32), ("bf16", m16)):
+                hidden = m(torch.tensor(seq), torch.arange(len(seq)), ContiguousAttention(m.cfg.num_layers))
+                logits[name] = m.compute_logits(hidden[len(ids) - 1 : -1]).float()
+        top = logits["bf16"].argmax(-1).tolist()
+        for i, (a, b) in enumerate(zip(top, want)):
+            if a != b:       # only a near-tie of fp32's may flip
+                gap = (logits["fp32"][i, b] - logits["fp32"][i, a]).item()
+                assert gap <= NEAR_TIE * abs(logits["fp32"][i, b].item()), (q, i, gap)
         agree += sum(a == b for a, b in zip(top, want))
         total += len(want)
     assert agree / total >= TEACHER_FORCED_AGREEMENT, f"{agree}/{total}"
