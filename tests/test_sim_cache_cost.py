@@ -43,11 +43,48 @@ def test_roofline_regimes():
     assert cm.step_time(prefill) > cm.step_time(decode)
 
 
-def test_fast_path_equals_step_time():
-    cm = CostModel(get_model("report-moe"), get_profile("gpu_a"), chips=4)
+@pytest.mark.parametrize("attn_cost", [1.0, 3.5])
+def test_fast_path_equals_step_time(attn_cost):
+    cm = CostModel(get_model("report-moe"), get_profile("gpu_a"), chips=4, attn_cost=attn_cost)
     s = StepShape(300, 20, 22, [5000] * 20, attn_pairs=123456.0)
     t = cm.fast()(320, 22, 100000.0, 123456.0)
     assert t == pytest.approx(cm.step_time(s), rel=1e-12)
+
+
+def _prefill_chunks(truth: CostModel, seed: int) -> list[dict]:
+    """Prefill chunks of 32-512 tokens at contexts 0-3K, +-2% noise."""
+    rng = random.Random(seed)
+    recs = []
+    for _ in range(120):
+        n = rng.choice([512, 512, rng.randint(32, 512)])
+        ctx = n + rng.randint(0, 3072)
+        rec = {"num_prefill_tokens": n, "num_decode_tokens": 0, "batch_size": 1, "context_lens": [ctx]}
+        rec["wall_s"] = truth.step_time(StepShape.from_record(rec)) * rng.uniform(0.98, 1.02)
+        recs.append(rec)
+    return recs
+
+
+@pytest.mark.parametrize("attn_cost", [1.0, 3.4])
+def test_calibrate_separates_attention_from_the_matmuls(attn_cost):
+    """A chunk's time grows with its context faster than the attention FLOPs
+    at the matmuls' rate say where the attention kernel is slower (this CPU
+    without AMX: 3.4x); the fit finds the factor, and finds none where there
+    is none."""
+    model = get_model("smollm2-135m")
+    truth = CostModel(model, get_profile("cpu"), mfu=0.15, overhead_s=0.05, attn_cost=attn_cost)
+    recs = _prefill_chunks(truth, 1)
+    fitted = calibrate(recs, CostModel(model, get_profile("cpu")), balance=True).model
+    assert fitted.attn_cost == pytest.approx(attn_cost, rel=0.2)
+    for rec in _prefill_chunks(truth, 2):     # held-out chunks
+        s = StepShape.from_record(rec)
+        assert fitted.step_time(s) == pytest.approx(truth.step_time(s), rel=0.06)
+    # Without the factor the same fit misses long contexts against short ones.
+    flat = calibrate(recs, CostModel(model, get_profile("cpu")), balance=True, fit_attention=False).model
+    short, long_ = StepShape(512, 0, 1, [512]), StepShape(512, 0, 1, [3584])
+    ratio = lambda m: m.step_time(long_) / m.step_time(short)
+    if attn_cost > 1.5:
+        assert ratio(flat) < 0.9 * ratio(truth)
+    assert ratio(fitted) == pytest.approx(ratio(truth), rel=0.05)
 
 
 def test_calibrate_recovers_known_coefficients():

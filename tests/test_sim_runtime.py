@@ -201,7 +201,8 @@ def test_calibration_from_bench_folders(tmp_path):
     cal.save(path)
     again = CpuCalibration.read(path)
     assert again.fits[1].mfu == pytest.approx(f.mfu) and again.time_scale("pdd") == cal.load["pdd"]
-    assert set(again.coefficients(2)) == {"mfu", "mbu", "overhead_s", "per_seq_s"}
+    assert set(again.coefficients(2)) == {"mfu", "mbu", "overhead_s", "per_seq_s", "attn_cost"}
+    assert again.fits[1].attn_cost == pytest.approx(f.attn_cost)
 
 
 def test_a_replay_measures_the_machine_speed_on_its_own_run(tmp_path):
@@ -340,7 +341,7 @@ def test_calibration_fits_each_role_its_own_fixed_costs(tmp_path):
         for c in (32, 512):
             s = StepShape(c, 0, 1, (c + 500,)) if role == "prefill" else StepShape(0, c // 32 + 1, c // 32 + 1, (800,) * (c // 32 + 1))
             got = CostModel(model, get_profile("cpu"), mfu=f_.mfu, mbu=f_.mbu, overhead_s=f_.overhead_s,
-                            per_seq_s=f_.per_seq_s).step_time(s)
+                            per_seq_s=f_.per_seq_s, attn_cost=f_.attn_cost).step_time(s)
             assert got == pytest.approx(m.step_time(s), rel=0.08)
         # Uniform +-10% scatter: a robust sigma of ~0.06 in log terms.
         assert 0.03 < f_.jitter < 0.09
@@ -538,7 +539,7 @@ def test_calibration_measures_batch_kernels_and_a_shared_core(tmp_path):
     bf = f.row_factors
     assert len(bf) == 4
     fitted = CostModel(model, get_profile("cpu"), mfu=f.mfu, mbu=f.mbu, overhead_s=f.overhead_s,
-                       per_seq_s=f.per_seq_s)
+                       per_seq_s=f.per_seq_s, attn_cost=f.attn_cost)
     for b in (1, 2, 3, 4):      # the smooth fit alone misses by up to ~12%; with the factors, <4%
         s = StepShape(0, b, b, (1000,) * b)
         real = truth.step_time(s) * kernel[b]

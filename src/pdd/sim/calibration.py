@@ -48,7 +48,7 @@ from pdd.sim.cost_model import CostModel, StepShape, calibrate, row_bucket
 from pdd.sim.hardware import get_profile
 from pdd.sim.model_shape import ModelShape
 
-FIELDS = ("mfu", "mbu", "overhead_s", "per_seq_s")
+FIELDS = ("mfu", "mbu", "overhead_s", "per_seq_s", "attn_cost")
 # A role group needs this many steps alone on a core for a fit of its own.
 MIN_ROLE_RECORDS = 30
 
@@ -73,6 +73,9 @@ class ThreadFit:
     # the partial block it recomputes, or an extend, alone) takes this x its
     # row class's time (`lone_chunk_factor`).
     lone_chunk: float = 1.0
+    # One attention FLOP's cost in weight-matmul FLOPs (`CostModel.attn_cost`);
+    # calibrations saved before it read 1.0.
+    attn_cost: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -442,7 +445,8 @@ def _fit_group(recs: list[dict], base: CostModel, drop_outliers: float) -> tuple
     mid = statistics.median(logs)
     jitter = 1.4826 * statistics.median(abs(x - mid) for x in logs)    # MAD -> sigma
     return ThreadFit(m.mfu, m.mbu, m.overhead_s, m.per_seq_s, cal.num_records, cal.rmse_s, cal.r2,
-                     tuple(sorted({r["instance"] for r in recs})), min(jitter, 0.5)), m
+                     tuple(sorted({r["instance"] for r in recs})), min(jitter, 0.5),
+                     attn_cost=m.attn_cost), m
 
 
 def apply(cost: CostModel, fit_: ThreadFit) -> CostModel:

@@ -77,7 +77,8 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         self.core_weight: dict[str, float] = {}
         for pool in mode.pools:
             cost = CostModel(self.model, get_profile(pool.hardware), pool.chips,
-                             pool.mfu, pool.mbu, pool.overhead_s, pool.per_seq_s, pool.time_scale)
+                             pool.mfu, pool.mbu, pool.overhead_s, pool.per_seq_s, pool.time_scale,
+                             attn_cost=pool.attn_cost)
             blocks = pool.kv_blocks or cost.kv_capacity_tokens(pool.mem_fraction) // self.block_size
             # Every engine keeps a prefix cache (RLD's skips the blocks it holds).
             cache = pool.prefix_cache

@@ -1,13 +1,20 @@
 """Step time of one engine step (prefill chunks + decode tokens + extends).
 
     t = overhead_s + per_seq_s * batch
-        + max(flops / (chips * peak * mfu), bytes / (chips * mem_bw * mbu))
+        + max((linear_flops + attn_cost * attention_flops) / (chips * peak * mfu),
+              bytes / (chips * mem_bw * mbu))
         + tensor-parallel all-reduce time over the interconnect
 
-a roofline with fixed costs. An extend (RLD -> MD handoff) is a prefill chunk
-whose context starts at the prompt length, so it needs no term of its own.
-`calibrate` fits (mfu, mbu, overhead_s, per_seq_s) by least squares to the
-step records an engine logs, so the CPU profile follows measurement.
+a roofline with fixed costs. `attn_cost` is what one attention FLOP (the
+query-key products and the weighted sum of values) costs against one FLOP
+of the weight matmuls: 1.0 on a chip whose attention kernel runs at its
+matmuls' rate; on this CPU without AMX (one thread, bf16) the SDPA kernel
+reached 35-60 GFLOP/s against 212 for a [512, 576] x [576, 1536] matmul,
+and P's prefill chunks fitted 3.4 (docs/SIMULATOR.md, "Attention's own
+cost"). An extend (RLD -> MD handoff) is a prefill chunk whose context
+starts at the prompt length, so it needs no term of its own. `calibrate` fits (mfu,
+mbu, attn_cost, overhead_s, per_seq_s) by least squares to the step
+records an engine logs, so the CPU profile follows measurement.
 """
 
 from __future__ import annotations
@@ -75,16 +82,21 @@ class CostModel:
     # Stretches whole steps: a machine that lends part of its cores to other
     # processes (measured per run by `pdd.sim.calibration`), 1.0 elsewhere.
     time_scale: float = 1.0
+    # One attention FLOP's cost in weight-matmul FLOPs (module docstring).
+    attn_cost: float = 1.0
 
     def __post_init__(self) -> None:
         if self.chips < 1 or not 0 < self.mfu <= 1 or not 0 < self.mbu <= 1:
             raise ValueError("chips >= 1 and mfu, mbu in (0, 1] required")
         if self.overhead_s < 0 or self.per_seq_s < 0 or self.time_scale <= 0:
             raise ValueError("overheads must be >= 0 and time_scale > 0")
+        if not self.attn_cost > 0:
+            raise ValueError("attn_cost must be > 0")
 
     # --- the two roofline inputs, at the profile's peak ------------------
     def compute_s(self, s: StepShape) -> float:
-        flops = self.model.linear_flops(s.num_tokens) + self.model.attention_flops(s.pairs())
+        flops = (self.model.linear_flops(s.num_tokens)
+                 + self.attn_cost * self.model.attention_flops(s.pairs()))
         return flops / (self.chips * self.hw.peak_for(self.model.weight_bytes_per_param))
 
     def memory_s(self, s: StepShape) -> float:
@@ -122,12 +134,14 @@ class Calibration:
 
 
 def calibrate(step_records: Iterable[dict], base: CostModel,
-              balance: bool = False) -> Calibration:
-    """Least-squares fit of (mfu, mbu, overhead_s, per_seq_s) to measured steps.
+              balance: bool = False, fit_attention: bool = True) -> Calibration:
+    """Least-squares fit of (mfu, mbu, attn_cost, overhead_s, per_seq_s) to measured steps.
 
     The roofline max() is not linear, so (mfu, mbu) are searched on a log grid
-    (coarse, then refined around the best cell); for each cell the fixed costs
-    follow in closed form, clipped at zero. The fit minimises relative error,
+    (coarse, then refined around the best cell), for each of a log grid of
+    attn_cost values (0.5-16, then refined; `fit_attention=False` keeps the
+    base's); for each cell the fixed costs follow in closed form, clipped at
+    zero. The fit minimises relative error,
     a decode-only step weighed by the tokens it makes (TPOT is a per-token
     mean); with `balance`, steps with prefill tokens weigh as much in total as
     the (usually far more numerous) decode-only steps, so TTFT is fitted too.
@@ -139,7 +153,9 @@ def calibrate(step_records: Iterable[dict], base: CostModel,
         raise ValueError("calibrate needs at least 3 step records")
     shapes = [StepShape.from_record(r) for r in recs]
     wall = np.array([float(r["wall_s"]) for r in recs])
-    comp = np.array([base.compute_s(s) for s in shapes])
+    peak = base.chips * base.hw.peak_for(base.model.weight_bytes_per_param)
+    lin = np.array([base.model.linear_flops(s.num_tokens) / peak for s in shapes])
+    att = np.array([base.model.attention_flops(s.pairs()) / peak for s in shapes])
     mem = np.array([base.memory_s(s) for s in shapes])
     comm = np.array([base.comm_s(s) for s in shapes])
     batch = np.array([float(s.batch_size) for s in shapes])
@@ -156,21 +172,29 @@ def calibrate(step_records: Iterable[dict], base: CostModel,
             tot_pre, tot_dec = share[pre].sum(), share[~pre].sum()
             weight = weight * np.sqrt(np.where(pre, 0.5 / tot_pre, 0.5 / tot_dec) * share.sum())
 
-    def search(mfus, mbus):
-        roof = np.maximum(comp[None, None, :] / mfus[:, None, None],
-                          mem[None, None, :] / mbus[None, :, None])      # [F, B, N]
-        y = wall[None, None, :] - comm[None, None, :] - roof
-        a, b = _fit_affine(batch, y, weight)
-        sse = (((y - a[..., None] - b[..., None] * batch) * weight) ** 2).sum(-1)
-        i, j = np.unravel_index(np.argmin(sse), sse.shape)
-        return mfus[i], mbus[j], a[i, j], b[i, j], sse[i, j]
+    def search(mfus, mbus, costs):
+        best = None
+        for c in costs:
+            comp = lin + c * att
+            roof = np.maximum(comp[None, None, :] / mfus[:, None, None],
+                              mem[None, None, :] / mbus[None, :, None])      # [F, B, N]
+            y = wall[None, None, :] - comm[None, None, :] - roof
+            a, b = _fit_affine(batch, y, weight)
+            sse = (((y - a[..., None] - b[..., None] * batch) * weight) ** 2).sum(-1)
+            i, j = np.unravel_index(np.argmin(sse), sse.shape)
+            if best is None or sse[i, j] < best[-1]:
+                best = (mfus[i], mbus[j], c, a[i, j], b[i, j], sse[i, j])
+        return best
 
     grid = np.logspace(-5, 0, 41)
-    f, m, *_ = search(grid, grid)
+    costs = 2.0 ** np.arange(-1.0, 4.01, 0.5) if fit_attention else np.array([base.attn_cost])
+    f, m, c, *_ = search(grid, grid, costs)
     step = grid[1] / grid[0]
-    fine = lambda c: np.clip(np.geomspace(c / step, c * step, 21), 1e-6, 1.0)
-    f, m, a, b, _ = search(fine(f), fine(m))
-    fitted = replace(base, mfu=float(f), mbu=float(m), overhead_s=float(a), per_seq_s=float(b))
+    fine = lambda x: np.clip(np.geomspace(x / step, x * step, 21), 1e-6, 1.0)
+    fine_c = np.geomspace(c / 2 ** 0.5, c * 2 ** 0.5, 9) if fit_attention else costs
+    f, m, c, a, b, _ = search(fine(f), fine(m), fine_c)
+    fitted = replace(base, mfu=float(f), mbu=float(m), attn_cost=float(c),
+                     overhead_s=float(a), per_seq_s=float(b))
     pred = np.array([fitted.step_time(s) for s in shapes])
     sse_abs = float(((wall - pred) ** 2).sum())
     var = float(((wall - wall.mean()) ** 2).sum())
@@ -219,7 +243,7 @@ class FastStepTime:
         m, n = c.model, c.chips
         self._over, self._per_seq = c.overhead_s, c.per_seq_s
         self._lin = 2.0 * m.active_params
-        self._attn = 4.0 * m.num_layers * m.num_heads * m.head_dim
+        self._attn = 4.0 * m.num_layers * m.num_heads * m.head_dim * c.attn_cost
         self._w_total = m.total_params * m.weight_bytes_per_param
         self._w_active = m.active_params * m.weight_bytes_per_param
         self._kv = float(m.kv_bytes_per_token)

@@ -39,6 +39,7 @@ class PoolSpec:
     mbu: float = 0.7
     overhead_s: float = 0.004
     per_seq_s: float = 20e-6
+    attn_cost: float = 1.0                # one attention FLOP in matmul FLOPs (`CostModel.attn_cost`)
     # "packed": a step fills its token budget with chunks of several jobs (a
     # job's tail chunk rides with the next job's head); "single": one prefill
     # chunk per step, so a tail chunk runs alone (the report's bathtub valleys);
