@@ -7,6 +7,8 @@ from dataclasses import dataclass
 # Bytes per element of each serving dtype: the KV cache, its blocks on the
 # wire and the simulator's KV and weight sizes all follow the engine's dtype.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# `[engine] decode_attention`: how decodes are attended in bf16 / fp16 (engine/paged_attention.py)
+DECODE_ATTENTION = ("auto", "flash", "fp32")
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"engine.{name} must be a positive integer, got {v!r}")
-        if self.decode_attention not in ("auto", "flash", "fp32"):
+        if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"engine.decode_attention must be auto, flash or fp32, got {self.decode_attention!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"engine.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdd.engine.config import DECODE_ATTENTION
 from pdd.engine.decode_rows import DecodeRows, RowsPlan
 
 
@@ -116,7 +117,7 @@ GROUP_MAX_ROWS = 32
 # How decodes are attended in a dtype other than fp32 (`[engine]
 # decode_attention`): SDPA's kernels on the dtype as it is, or the context
 # copied to fp32 and attended there; "auto" measures both once per process.
-DECODE_KERNELS = ("flash", "fp32")
+DECODE_KERNELS = tuple(k for k in DECODE_ATTENTION if k != "auto")
 _CHOSEN: dict[tuple, str] = {}
 
 
@@ -124,9 +125,9 @@ def decode_kernel(setting: str, dtype: torch.dtype, num_kv_heads: int, head_dim:
                   group: int) -> str:
     """The decode kernel to use: `setting` itself unless "auto"; fp32 engines
     always attend in fp32 (the reference paths). "auto" times both kernels on
-    a 1,024-token context and a padded batch of 8 x 256 (~10 ms, alternated,
+    a 1,024-token context and a padded batch of 8 x 256 (~30 ms here, alternated,
     best of 5) and keeps the faster for the rest of the process."""
-    if setting not in DECODE_KERNELS + ("auto",):
+    if setting not in DECODE_ATTENTION:
         raise ValueError(f"decode attention must be auto, flash or fp32, got {setting!r}")
     if dtype is torch.float32:
         return "fp32"
@@ -145,9 +146,10 @@ def _measure(dtype: torch.dtype, kvh: int, d: int, group: int) -> str:
     rk, rv = (torch.randn(8, kvh, 256, d, generator=g).to(dtype) for _ in range(2))
     rq = torch.randn(8, kvh * group, d, generator=g).to(dtype)
     mask = torch.zeros(8, 1, 1, 256, dtype=dtype)
+    mask32 = mask.float()
     bufs = Fp32Scratch()
     runs = {"flash": lambda: (_attend_pieces(q, [k], [v]), _sdpa_rows(rq, rk, rv, mask)),
-            "fp32": lambda: (_attend_pieces_fp32(q, [k], [v], bufs), _sdpa_rows_fp32(rq, rk, rv, mask, bufs))}
+            "fp32": lambda: (_attend_pieces_fp32(q, [k], [v], bufs), _sdpa_rows_fp32(rq, rk, rv, mask32, bufs))}
     best = {name: float("inf") for name in runs}
     with torch.inference_mode():
         for _ in range(5):
@@ -180,17 +182,15 @@ def _sdpa_rows(qd: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
                                           enable_gqa=True).squeeze(2)
 
 
-def _sdpa_rows_fp32(qd: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def _sdpa_rows_fp32(qd: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask32: torch.Tensor,
                     bufs: Fp32Scratch) -> torch.Tensor:
-    """`_sdpa_rows` in fp32: K and V copied into fp32 buffers, the output rounded to qd's dtype."""
+    """`_sdpa_rows` in fp32: K and V copied into fp32 buffers, the mask given in fp32 (made
+    once a step), the output rounded to qd's dtype."""
     kf = bufs.get("k", tuple(keys.shape))
     vf = bufs.get("v", tuple(values.shape))
     kf.copy_(keys)
     vf.copy_(values)
-    mf = bufs.get("mask", tuple(mask.shape))
-    mf.copy_(mask)
-    od = F.scaled_dot_product_attention(qd.unsqueeze(2).float(), kf, vf, attn_mask=mf, enable_gqa=True)
-    return od.squeeze(2).to(qd.dtype)
+    return _sdpa_rows(qd.float(), kf, vf, mask32).to(qd.dtype)
 
 
 def split_runs(blocks: list[int], ctx: int, bs: int, min_run: int = DECODE_RUN_MIN_BLOCKS) -> DecodeSeq:
@@ -287,6 +287,7 @@ class PagedAttention:
         # decodes in a dtype other than fp32: "flash" (SDPA on the dtype) or "fp32" (`decode_kernel`)
         self.fp32_decode = decode_kernel == "fp32" and kv.dtype is not torch.float32
         self._f32 = Fp32Scratch() if self.fp32_decode else None
+        self._rows_mask32: torch.Tensor | None = None   # the rows' mask in fp32, made once a step
         self.kv_layers = kv.unbind(0) if kv_layers is None else kv_layers   # kv[l] per layer
         self.md = md
         self.progress = progress    # StepProgress: counts the layers whose KV this step has written
@@ -372,8 +373,10 @@ class PagedAttention:
         kd = g[0].transpose(1, 2)                                            # [B, KVH, Lpad, D]
         vd = g[1].transpose(1, 2)
         if self._dec_mask is None:
-            # SDPA turns a bool mask into this (0 / -inf in q's dtype) on every call: once per step instead
-            self._dec_mask = torch.zeros(md.decode_mask.shape, dtype=qd.dtype).masked_fill_(
+            # SDPA turns a bool mask into this (0 / -inf in the dtype attended in) on every call:
+            # once per step instead
+            self._dec_mask = torch.zeros(md.decode_mask.shape,
+                                         dtype=torch.float32 if self.fp32_decode else qd.dtype).masked_fill_(
                 ~md.decode_mask, float("-inf"))
         if self.fp32_decode:
             return _sdpa_rows_fp32(qd, kd, vd, self._dec_mask, self._f32)
@@ -406,7 +409,9 @@ class PagedAttention:
         if rp.to_rows is not None:
             qd = qd.index_select(0, rp.to_rows)                   # decode order -> row order
         if self.fp32_decode:
-            od = _sdpa_rows_fp32(qd, rp.keys[layer], rp.values[layer], rp.mask, self._f32)
+            if self._rows_mask32 is None:
+                self._rows_mask32 = rp.mask.float()
+            od = _sdpa_rows_fp32(qd, rp.keys[layer], rp.values[layer], self._rows_mask32, self._f32)
         else:
             od = _sdpa_rows(qd, rp.keys[layer], rp.values[layer], rp.mask)   # [B, H, D]
         return od if rp.to_decodes is None else od.index_select(0, rp.to_decodes)

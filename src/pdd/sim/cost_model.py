@@ -12,9 +12,9 @@ matmuls' rate; on this CPU without AMX (one thread, bf16) the SDPA kernel
 reached 35-60 GFLOP/s against 212 for a [512, 576] x [576, 1536] matmul,
 and P's prefill chunks fitted 3.4 (docs/SIMULATOR.md, "Attention's own
 cost"). An extend (RLD -> MD handoff) is a prefill chunk whose context
-starts at the prompt length, so it needs no term of its own. `calibrate` fits (mfu,
-mbu, attn_cost, overhead_s, per_seq_s) by least squares to the step
-records an engine logs, so the CPU profile follows measurement.
+starts at the prompt length, so it needs no term of its own. `calibrate`
+fits (mfu, mbu, attn_cost, overhead_s, per_seq_s) by least squares to the
+step records an engine logs, so the CPU profile follows measurement.
 """
 
 from __future__ import annotations
@@ -94,10 +94,14 @@ class CostModel:
             raise ValueError("attn_cost must be > 0")
 
     # --- the two roofline inputs, at the profile's peak ------------------
+    def compute_parts_s(self, s: StepShape) -> tuple[float, float]:
+        """(weight matmuls, attention) at the peak, attention at the matmuls' rate."""
+        peak = self.chips * self.hw.peak_for(self.model.weight_bytes_per_param)
+        return self.model.linear_flops(s.num_tokens) / peak, self.model.attention_flops(s.pairs()) / peak
+
     def compute_s(self, s: StepShape) -> float:
-        flops = (self.model.linear_flops(s.num_tokens)
-                 + self.attn_cost * self.model.attention_flops(s.pairs()))
-        return flops / (self.chips * self.hw.peak_for(self.model.weight_bytes_per_param))
+        linear, attention = self.compute_parts_s(s)
+        return linear + self.attn_cost * attention
 
     def memory_s(self, s: StepShape) -> float:
         kv = self.model.kv_bytes_per_token * (sum(s.context_lens) + s.num_tokens)
@@ -141,9 +145,8 @@ def calibrate(step_records: Iterable[dict], base: CostModel,
     (coarse, then refined around the best cell), for each of a log grid of
     attn_cost values (0.5-16, then refined; `fit_attention=False` keeps the
     base's); for each cell the fixed costs follow in closed form, clipped at
-    zero. The fit minimises relative error,
-    a decode-only step weighed by the tokens it makes (TPOT is a per-token
-    mean); with `balance`, steps with prefill tokens weigh as much in total as
+    zero. The fit minimises relative error, a decode-only step weighed by the
+    tokens it makes (TPOT is a per-token mean); with `balance`, steps with prefill tokens weigh as much in total as
     the (usually far more numerous) decode-only steps, so TTFT is fitted too.
     """
     import numpy as np
@@ -153,9 +156,7 @@ def calibrate(step_records: Iterable[dict], base: CostModel,
         raise ValueError("calibrate needs at least 3 step records")
     shapes = [StepShape.from_record(r) for r in recs]
     wall = np.array([float(r["wall_s"]) for r in recs])
-    peak = base.chips * base.hw.peak_for(base.model.weight_bytes_per_param)
-    lin = np.array([base.model.linear_flops(s.num_tokens) / peak for s in shapes])
-    att = np.array([base.model.attention_flops(s.pairs()) / peak for s in shapes])
+    lin, att = np.array([base.compute_parts_s(s) for s in shapes]).T
     mem = np.array([base.memory_s(s) for s in shapes])
     comm = np.array([base.comm_s(s) for s in shapes])
     batch = np.array([float(s.batch_size) for s in shapes])
