@@ -148,3 +148,45 @@ def test_agentic_closed_loop_turns_mark_the_previous_answer():
         assert r.prompt_tokens >= r.answer_at + parent.max_tokens
     open_loop = agentic.generate(replace(agentic.WAN_BOUND, closed_loop=False))
     assert all(r.answer_at is None for r in open_loop.requests)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_scaled_preset_keeps_its_shape(seed):
+    """`scaled(k)`: every token count x k, the sessions' timetable and the
+    hit-rate distribution as they were (the wan-bound preset on this CPU is
+    the Xeon-sized one at 3/8)."""
+    big = replace(agentic.WAN_BOUND_XEON, seed=seed)
+    small = big.scaled(3 / 8)
+    assert agentic.WAN_BOUND == replace(agentic.WAN_BOUND_XEON.scaled(3 / 8), seed=0)
+    assert small.initial_context_tokens == (672, 864) and small.system_prompt_tokens == 96
+    assert small.output_tokens == (6, 24) and small.abnormal_output_tokens == (1, 2)
+    wb, ws = agentic.generate(big), agentic.generate(small)
+    assert len(ws.requests) == len(wb.requests)
+    assert sorted(r.kind.value for r in ws.requests) == sorted(r.kind.value for r in wb.requests)
+    # prompts and answers ~3/8 of the big ones', request by request (seeded alike)
+    rb = sum(r.prompt_tokens for r in wb.requests) / sum(r.prompt_tokens for r in ws.requests)
+    ab = sum(r.max_tokens for r in wb.requests) / sum(r.max_tokens for r in ws.requests)
+    assert 8 / 3 * 0.9 <= rb <= 8 / 3 * 1.1 and 8 / 3 * 0.8 <= ab <= 8 / 3 * 1.2
+    hb, hs = wb.hit_rates(), ws.hit_rates()
+    assert abs(fraction_above(hs, 0.95) - fraction_above(hb, 0.95)) <= 0.05
+    assert abs(sum(hs) / len(hs) - sum(hb) / len(hb)) <= 0.03
+    assert all(r.prompt_tokens + r.max_tokens <= small.max_context_tokens for r in ws.requests)
+    with pytest.raises(ValueError):
+        big.scaled(0)
+
+
+def test_length_scale_flag_scales_an_agentic_preset():
+    import argparse
+
+    from pdd.measure.flags import add_workload_arguments, build_workload
+
+    p = argparse.ArgumentParser()
+    add_workload_arguments(p)
+    full = build_workload(p.parse_args(["--preset", "wan-bound-xeon", "--num-requests", "20"]))
+    half = build_workload(p.parse_args(["--preset", "wan-bound-xeon", "--num-requests", "20",
+                                        "--length-scale", "0.5"]))
+    assert half.settings["initial_context_tokens"] == (896, 1152)
+    assert [r.request_id for r in half.requests] == [r.request_id for r in full.requests]
+    assert sum(r.prompt_tokens for r in half.requests) < 0.55 * sum(r.prompt_tokens for r in full.requests)
+    with pytest.raises(SystemExit):
+        build_workload(p.parse_args(["--length-scale", "0"]))

@@ -31,7 +31,7 @@ from test_sim_events import AS_WRITTEN, pdd_as_written   # the example as these 
 
 # 100 requests each, ~1 s: the paths below; "quick+cuts": the WAN cut for
 # 3 s every 20 s (copies fail, DIRECT fails over to RLD, routing sees it down).
-RUNS = ("full", "wan-bound", "quick+cuts")
+RUNS = ("full", "wan-bound-xeon", "quick+cuts")
 CUTS = [(t, t + 3.0) for t in (10.0, 30.0, 50.0, 70.0, 90.0, 110.0)]
 
 

@@ -14,7 +14,10 @@ from pdd.measure.metrics import Sla
 from pdd.sim.runtime import RuntimeMode, run_runtime_mode
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-WAN_MBPS = 58.4       # the README's sizing: 2x pd-wan-drc's mean KV rate at the preset's load (bf16)
+# The Xeon-sized preset and its line (the README's sizing there: 2x pd-wan-drc's
+# mean KV rate at the preset's load, bf16), as the simulator's prior CPU
+# profile (`pdd.sim.hardware`, "cpu") is the Xeon's.
+WAN_MBPS = 58.4
 
 
 def run(mode: str, cfg: agentic.AgenticConfig) -> tuple[dict, list]:
@@ -29,7 +32,7 @@ def relay_only_share(records) -> float:
 
 
 @pytest.mark.parametrize("rate, turn_interval_s", [
-    (agentic.WAN_BOUND.session_rate_per_s, agentic.WAN_BOUND.turn_interval_s),
+    (agentic.WAN_BOUND_XEON.session_rate_per_s, agentic.WAN_BOUND_XEON.turn_interval_s),
     # About twice what P can prefill: the 100 requests hold ~31K tokens P
     # lacks, offered within ~12 s (a session a second, turns 0.25 s apart),
     # and a bf16 P prefills ~1,260 tok/s here (steps.jsonl of the real
@@ -38,7 +41,7 @@ def relay_only_share(records) -> float:
 ])
 def test_pdd_stays_pdd_in_the_wan_bound_regime_and_at_twice_ps_capacity(rate, turn_interval_s):
     # Open loop: turns arrive on their timetable whatever the queues.
-    cfg = dataclasses.replace(agentic.WAN_BOUND, closed_loop=False, session_rate_per_s=rate,
+    cfg = dataclasses.replace(agentic.WAN_BOUND_XEON, closed_loop=False, session_rate_per_s=rate,
                               turn_interval_s=turn_interval_s)
     drc, _ = run("pd-wan-drc", cfg)
     pdd, records = run("pdd", cfg)

@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
         messages = [{"role": "system", "content": "You are a concise site-reliability assistant."},
                     {"role": "user", "content": DOCUMENT + "\nSummarise the incident in two sentences."}]
         print("\n== turn 1: a long new document (low prefix hit: P -> RLD streams while the KV crosses the WAN)")
-        answer = _turn(client, model, dep.router_url, messages, 96)
+        # Long enough to outlast the copy to MD: at the example line (18 Mbit/s) this
+        # prompt's ~17 MB of KV takes ~8 s to cross, RLD decodes ~30 tokens/s.
+        answer = _turn(client, model, dep.router_url, messages, 384)
         messages += [{"role": "assistant", "content": answer},
                      {"role": "user", "content": "What one change would prevent it?"}]
         print("\n== turn 2: the follow-up (high prefix hit on P and, thanks to DRC, on MD: P -> MD directly)")

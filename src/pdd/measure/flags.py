@@ -45,7 +45,9 @@ def add_workload_arguments(p: argparse.ArgumentParser,
                    help="agentic: spacing of a session's turns (open loop: the timetable; "
                         "with --arrival-rate, sets the offered load)")
     g.add_argument("--time-scale", type=float, default=None, help="trace: stretch time by this")
-    g.add_argument("--length-scale", type=float, default=None, help="trace: 512-token block -> 512 x this")
+    g.add_argument("--length-scale", type=float, default=None,
+                   help="trace: 512-token block -> 512 x this; agentic: every token count of the "
+                        "preset x this (AgenticConfig.scaled: an engine this many times as fast per token)")
     g.add_argument("--max-input-tokens", type=int, default=None)
     g.add_argument("--max-output-tokens", type=int, default=None)
     g.add_argument("--start-index", type=int, default=0, help="trace: skip this many rows")
@@ -69,6 +71,10 @@ def build_workload(args: argparse.Namespace) -> Workload:
             cfg = replace(cfg, num_requests=args.num_requests)
         if args.arrival_rate is not None:
             cfg = replace(cfg, session_rate_per_s=args.arrival_rate)
+        if getattr(args, "length_scale", None) is not None:
+            if not args.length_scale > 0:
+                raise SystemExit("--length-scale must be > 0")
+            cfg = cfg.scaled(args.length_scale)
         if getattr(args, "turn_interval", None) is not None:
             if args.turn_interval <= 0:
                 raise SystemExit("--turn-interval must be > 0")
