@@ -160,25 +160,24 @@ VALIDATE = AgenticConfig(
 )
 
 # The report's operating point as sized on the Intel Xeon with AMX of
-# sessions 11-24 (`--preset wan-bound-xeon`, `--preset wan-bound` until
-# session 26;
-# the WAN rate that goes with it is set in the example files, sized by the
-# procedure in the README). Every scale is derived from a report figure:
-# * hit rates: contexts of 1.5-2K tokens growing by an answer plus a tool
+# sessions 11-24 (`--preset wan-bound-xeon`; `--preset wan-bound` until
+# session 26; its line, 60 Mbit/s, by the procedure in the README). Every
+# scale is derived from a report figure:
+# * hit rates: contexts of 1.8-2.3K tokens growing by an answer plus a tool
 #   output per turn (~5% at first, less as the context grows) put most warm
 #   turns above 95% hit, as the report's 70-80%; each session's first turn
 #   (only the shared system prompt cached) and the big tool outputs (77-98%)
-#   are the low-hit tail; two abnormal calls (3.5%, the report's 3-4%);
+#   are the low-hit tail; abnormal calls 3.5% (the report's 3-4%);
 # * answers: the report's agentic answers are mostly under 500 tokens at a
-#   GPU decode speed; ours decodes ~5x slower per token (TPOT ~0.1-0.25 s on
-#   a shared core against the report's tens of ms), so answer lengths are
-#   scaled by 1/4 to keep their *duration* against a transfer's of the same
-#   order: 32-128 tokens;
+#   GPU decode speed; ours decoded ~5-8x slower per token there, so 128-512
+#   is scaled by 1/8 to keep their *duration* against a transfer's of the
+#   same order: 16-64 tokens;
 # * load: a session starts every ~20 s; an agent sends its next turn 3 s
-#   (its tool call) after the previous answer: about 60-70% of P's capacity
-#   here (a cold turn ~11 s of prefill, a warm one ~0.3 s), so that
-#   queueing on P does not decide TTFT. Closed loop, as an agent waits for
-#   its answer (`--open-loop` sends on the 12 s timetable instead).
+#   (its tool call) after the previous answer: P busy ~18% of the run on the
+#   Xeon (README: at the 60-80% the line sized by the procedure
+#   would outrun P and the regime would not be WAN-bound). Closed loop, as
+#   an agent waits for its answer (`--open-loop` sends on the 12 s
+#   timetable instead).
 WAN_BOUND_XEON = AgenticConfig(
     num_requests=100,
     turns=(10, 14),
