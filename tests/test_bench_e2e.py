@@ -41,6 +41,12 @@ def test_bench_two_modes_writes_complete_summary(tmp_path, tiny_model_dir):
         assert names | {"router", "wan0", "bench_client"} <= set(cpu), cpu
         assert all(v >= 0 for v in cpu.values())
         assert cpu["p0"] > 0 and cpu["router"] > 0 and cpu["bench_client"] > 0
+        # What crossed the line, by the senders' counters over the workload: at
+        # least what the requests' own transfers reported (a relayed request's
+        # copy to MD may land after the request has ended).
+        assert m["wan_bytes"] >= m["wan_bytes_in_requests"] >= 0, name
     assert summary["modes"]["pd-wan"]["wan_bytes"] > 0 and summary["modes"]["pd-wan"]["rld_token_share"] == 0
+    # A PD baseline's decoder waits for every byte: the two counts agree.
+    assert summary["modes"]["pd-wan"]["wan_bytes"] == summary["modes"]["pd-wan"]["wan_bytes_in_requests"]
     assert "hit_rate_histogram" in json.dumps(summary["workload"])
     assert (out / "report.md").exists() and (out / "ttft_cdf.png").stat().st_size > 1000

@@ -114,3 +114,18 @@ def test_cli_fake_end_to_end(tmp_path: Path, capsys):
     assert summary["workload"]["settings"]["length_scale"] == pytest.approx(1 / 32)
     assert "pdd vs pd-local" in capsys.readouterr().out
     assert cli.main(["bench", "--quick", "--dry-run"]) == 0
+
+
+def test_sum_metric_adds_the_samples_with_the_labels_asked():
+    text = """# HELP pdd_kv_sent_bytes_total KV payload bytes sent
+# TYPE pdd_kv_sent_bytes_total counter
+pdd_kv_sent_bytes_total{instance="p0",link="wan",role="prefill"} 2.02743808e+08
+pdd_kv_sent_bytes_total{instance="p0",link="local",role="prefill"} 1.3344768e+08
+pdd_kv_sent_bytes_created{instance="p0",link="wan",role="prefill"} 1.79e+09
+pdd_kv_sent_bytes_total_other{link="wan"} 5
+"""
+    assert runner.sum_metric(text, "pdd_kv_sent_bytes_total", link="wan") == 2.02743808e+08
+    assert runner.sum_metric(text, "pdd_kv_sent_bytes_total") == 2.02743808e+08 + 1.3344768e+08
+    assert runner.sum_metric(text, "pdd_kv_sent_bytes_total", link="rdma") == 0.0
+    # a fake deployment has no instances to ask: the requests' own sum stands
+    assert runner.wan_sent_bytes(types.SimpleNamespace(procs=[])) is None

@@ -118,9 +118,10 @@ def run_mode(spec: ModeSpec, workload: Workload, out: Path, sla: Sla, client: di
         cfg = ClientConfig(base_url=dep.router_url, **client)
         if warmup:   # first forward passes are slow (allocations, lazy init): keep them out
             run_workload_sync(replace(cfg, fetch_trace=False), warmup_requests(workload, warmup))
-        cpu0 = cpu_seconds(dep)
+        cpu0, wan0 = cpu_seconds(dep), wan_sent_bytes(dep)
         records, duration_s = run_workload_sync(cfg, workload.requests, progress.update)
         cpu = {k: v - cpu0[k] for k, v in cpu_seconds(dep).items() if k in cpu0}
+        wan1 = wan_sent_bytes(dep)
         save_run_artefacts(dep, spec, mode_dir)
     finally:
         progress.close()
@@ -128,6 +129,13 @@ def run_mode(spec: ModeSpec, workload: Workload, out: Path, sla: Sla, client: di
     write_records(mode_dir / "records.jsonl", records)
     summary = summarize_mode(records, sla, float(dep.cost_per_hour), duration_s)
     summary["hit_rate_histogram"] = hit_rate_histogram([r.hit_rate for r in records if not r.failed])
+    # What crossed the line, by the senders' counters: a relayed request's copy
+    # to MD often lands after the request has ended, so the requests' own sum
+    # (kept as `wan_bytes_in_requests`) missed it: 110 of 203 MB in
+    # `results/wan-bound-49`'s PDD. The simulator counts every copy alike.
+    summary["wan_bytes_in_requests"] = summary["wan_bytes"]
+    if wan0 is not None and wan1 is not None:
+        summary["wan_bytes"] = max(wan1 - wan0, 0.0)
     summary.update({"config": spec.config_path, "overrides": spec.overrides,
                     "deployment": getattr(dep, "name", spec.name), "startup_s": startup_s,
                     "cpu_s": cpu, "warmup_requests": max(warmup, 0)})
@@ -149,6 +157,39 @@ def cpu_seconds(dep) -> dict[str, float]:
             continue
         out[p.name] = (int(fields[11]) + int(fields[12])) / tick   # utime, stime
     return out
+
+
+def wan_sent_bytes(dep) -> float | None:
+    """KV bytes every instance of a real deployment has sent over the WAN so
+    far (`pdd_kv_sent_bytes_total{link="wan"}` on their /metrics); None for a
+    deployment without instances to ask (a fake one) or one that did not answer."""
+    import urllib.request
+
+    dspec = getattr(dep, "spec", None)
+    if dspec is None or not hasattr(dep, "instance_url"):
+        return None
+    total = 0.0
+    try:
+        for inst in dspec.instances:
+            url, ctx = dep.instance_url(inst.name)
+            with urllib.request.urlopen(url + "/metrics", timeout=10.0, context=ctx) as r:
+                total += sum_metric(r.read().decode(), "pdd_kv_sent_bytes_total", link="wan")
+    except OSError:
+        return None
+    return total
+
+
+def sum_metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus text exposition's samples of `name` whose labels include `labels`."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(w in head for w in want):
+            total += float(value)
+    return total
 
 
 def run_bench(modes: list[ModeSpec], workload: Workload, out: Path, sla: Sla,
