@@ -128,4 +128,10 @@ pdd_kv_sent_bytes_total_other{link="wan"} 5
     assert runner.sum_metric(text, "pdd_kv_sent_bytes_total") == 2.02743808e+08 + 1.3344768e+08
     assert runner.sum_metric(text, "pdd_kv_sent_bytes_total", link="rdma") == 0.0
     # a fake deployment has no instances to ask: the requests' own sum stands
-    assert runner.wan_sent_bytes(types.SimpleNamespace(procs=[])) is None
+    fake = types.SimpleNamespace(procs=[])
+    assert runner.fetch_metrics(fake) == {} and runner.wan_sent_bytes(fake, {}) is None
+    # an instance that did not answer: no total rather than a short one
+    dep = types.SimpleNamespace(spec=types.SimpleNamespace(instances=[types.SimpleNamespace(name="p0"),
+                                                                      types.SimpleNamespace(name="md0")]))
+    assert runner.wan_sent_bytes(dep, {"p0": text.encode()}) is None
+    assert runner.wan_sent_bytes(dep, {"p0": text.encode(), "md0": b""}) == 2.02743808e+08

@@ -118,11 +118,12 @@ def run_mode(spec: ModeSpec, workload: Workload, out: Path, sla: Sla, client: di
         cfg = ClientConfig(base_url=dep.router_url, **client)
         if warmup:   # first forward passes are slow (allocations, lazy init): keep them out
             run_workload_sync(replace(cfg, fetch_trace=False), warmup_requests(workload, warmup))
-        cpu0, wan0 = cpu_seconds(dep), wan_sent_bytes(dep)
+        cpu0, wan0 = cpu_seconds(dep), wan_sent_bytes(dep, fetch_metrics(dep))
         records, duration_s = run_workload_sync(cfg, workload.requests, progress.update)
         cpu = {k: v - cpu0[k] for k, v in cpu_seconds(dep).items() if k in cpu0}
-        wan1 = wan_sent_bytes(dep)
-        save_run_artefacts(dep, spec, mode_dir)
+        metrics = fetch_metrics(dep)
+        wan1 = wan_sent_bytes(dep, metrics)
+        save_run_artefacts(dep, spec, mode_dir, metrics)
     finally:
         progress.close()
         dep.stop()
@@ -159,24 +160,42 @@ def cpu_seconds(dep) -> dict[str, float]:
     return out
 
 
-def wan_sent_bytes(dep) -> float | None:
-    """KV bytes every instance of a real deployment has sent over the WAN so
-    far (`pdd_kv_sent_bytes_total{link="wan"}` on their /metrics); None for a
-    deployment without instances to ask (a fake one) or one that did not answer."""
+def fetch_metrics(dep) -> dict[str, bytes]:
+    """The Prometheus text of every instance of a real deployment and of its
+    router, by name (those that answered); none for a deployment without a
+    spec (a fake one)."""
     import urllib.request
 
     dspec = getattr(dep, "spec", None)
     if dspec is None or not hasattr(dep, "instance_url"):
+        return {}
+    # An instance's port may speak TLS (MD under [tls] mode "wan"): the
+    # deployment says how to reach it (base URL, SSL context or None).
+    urls = {}
+    for inst in dspec.instances:
+        url, ctx = dep.instance_url(inst.name)
+        urls[inst.name] = (url + "/metrics", ctx)
+    urls["router"] = (f"http://{dspec.router_host}:{dspec.router_port}/metrics", None)
+    out = {}
+    for name, (url, ctx) in urls.items():
+        try:
+            with urllib.request.urlopen(url, timeout=10.0, context=ctx) as r:
+                out[name] = r.read()
+        except OSError:
+            pass
+    return out
+
+
+def wan_sent_bytes(dep, metrics: dict[str, bytes]) -> float | None:
+    """KV bytes every instance of a real deployment has sent over the WAN so
+    far (`pdd_kv_sent_bytes_total{link="wan"}` in `fetch_metrics`' texts);
+    None for a deployment without instances (a fake one) or where one of
+    them did not answer."""
+    dspec = getattr(dep, "spec", None)
+    names = [i.name for i in dspec.instances] if dspec is not None else []
+    if not names or any(n not in metrics for n in names):
         return None
-    total = 0.0
-    try:
-        for inst in dspec.instances:
-            url, ctx = dep.instance_url(inst.name)
-            with urllib.request.urlopen(url + "/metrics", timeout=10.0, context=ctx) as r:
-                total += sum_metric(r.read().decode(), "pdd_kv_sent_bytes_total", link="wan")
-    except OSError:
-        return None
-    return total
+    return sum(sum_metric(metrics[n].decode(), "pdd_kv_sent_bytes_total", link="wan") for n in names)
 
 
 def sum_metric(text: str, name: str, **labels: str) -> float:
@@ -234,15 +253,14 @@ def _plots(out: Path, all_records: dict[str, list[RequestRecord]], workload: Wor
 
 
 # -- artefacts for the simulator (pdd sim --calibrate / --validate) -------------
-def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
+def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path, metrics: dict[str, bytes] | None = None) -> None:
     """deploy.toml (+ overrides.json) and steps.jsonl of a real deployment.
 
     Also the Prometheus text of every instance and the router under
-    `metrics/`. Fake deployments (no `.spec` / `.secret`) are skipped; a
-    failure here is reported and never costs the mode its measured records.
+    `metrics/` (`metrics`: as `fetch_metrics` got them, else fetched here).
+    Fake deployments (no `.spec` / `.secret`) are skipped; a failure here is
+    reported and never costs the mode its measured records.
     """
-    import urllib.request
-
     try:
         src = Path(spec.config_path)
         if src.is_file():
@@ -253,24 +271,15 @@ def save_run_artefacts(dep, spec: ModeSpec, mode_dir: Path) -> None:
         secret = getattr(dep, "secret", None) if dspec is not None else None
         if dspec is None or not isinstance(secret, bytes):
             return
-        # An instance's port may speak TLS (MD under [tls] mode "wan"): the
-        # deployment says how to reach it (base URL, SSL context or None).
-        bases = {i.name: dep.instance_url(i.name) for i in dspec.instances}
         with open(mode_dir / "steps.jsonl", "w") as f:
             for inst in dspec.instances:
-                url, ctx = bases[inst.name]
+                url, ctx = dep.instance_url(inst.name)
                 for rec in fetch_steps(url, secret, inst.name, context=ctx):
                     f.write(json.dumps(rec) + "\n")
         # Prometheus counters (KV bytes and transfer seconds per link, ...), for diagnosis.
         (mode_dir / "metrics").mkdir(exist_ok=True)
-        urls = {name: (url + "/metrics", ctx) for name, (url, ctx) in bases.items()}
-        urls["router"] = (f"http://{dspec.router_host}:{dspec.router_port}/metrics", None)
-        for name, (url, ctx) in urls.items():
-            try:
-                with urllib.request.urlopen(url, timeout=10.0, context=ctx) as r:
-                    (mode_dir / "metrics" / f"{name}.prom").write_bytes(r.read())
-            except OSError:
-                pass
+        for name, text in (fetch_metrics(dep) if metrics is None else metrics).items():
+            (mode_dir / "metrics" / f"{name}.prom").write_bytes(text)
     except Exception:  # noqa: BLE001 - calibration data is a bonus
         traceback.print_exc()
 
