@@ -44,6 +44,25 @@ def test_low_hit_goes_relay():
     assert d.est_wan_s > CFG.direct_max_wan_s
 
 
+def test_a_one_token_answer_is_p_s_alone():
+    """P's first token is the whole answer: no decoder opens and no KV moves,
+    whatever the line (the PD baselines' router does the same), so a cold,
+    filter-class request neither relays nor spends RLD's budgets."""
+    from pdd.policy import RequestLifecycle
+    from pdd.policy.lifecycle_io import OpenDecode, StartPrefill
+    down = LinkEstimate(1.25e9, 0.05, up=False)
+    for view in (cluster(md_matched=0), cluster(md_matched=63_984), cluster(wan=down, rlds=())):
+        d = choose_pipeline(req(max_tokens=1), view, CFG)
+        assert d.pipeline is Pipeline.DIRECT and not d.start_wan
+        assert d.rld_id is None and d.md_id is None and d.missing_bytes == 0
+        cmds = RequestLifecycle(req(max_tokens=1), d, CFG).start(0.0)
+        assert not [c for c in cmds if isinstance(c, OpenDecode)]
+        assert [c for c in cmds if isinstance(c, StartPrefill)][0].targets == ()
+    # two tokens need a decoder again (here RLD: the filter's class)
+    two = choose_pipeline(req(max_tokens=2), cluster(md_matched=0), CFG)
+    assert two.pipeline is Pipeline.RELAY_ONLY and two.rld_id == "r0"
+
+
 def test_missing_bytes_count_the_full_blocks_that_travel():
     d = choose_pipeline(req(prompt=100), cluster(md_matched=40), CFG)
     # 6 full prompt blocks (the partial 7th is computed by the receiver),

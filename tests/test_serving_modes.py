@@ -68,6 +68,20 @@ def test_greedy_output_equals_single_engine(served, tiny_model, tok):
         assert r.choices[0].finish_reason == "length"
 
 
+def test_a_one_token_answer_is_p_s_alone(served, tiny_model, tok):
+    """P's first token is the whole answer: it is the engine's, and in the
+    disaggregated modes no decoder is opened and no KV moves."""
+    dep, client, model = served
+    p = ids(11, 120)
+    r = complete(client, model, p, 1)
+    assert r.choices[0].text == expected(tiny_model, tok, p, 1)
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "length"
+    tr = _trace(dep, r.id)
+    assert not any(e["name"] == "kv_transfer" for e in tr["events"]), tr["events"]
+    if dep.spec.mode != "colocated":
+        assert tr["token_sources"] == ["p"] and set(tr["instances"]) == {"p"}, tr
+
+
 def test_streaming_output_equals_single_engine(served, tiny_model, tok):
     dep, client, model = served
     p = ids(3, 200)

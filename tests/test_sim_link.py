@@ -180,6 +180,24 @@ def test_a_new_transfer_waits_for_what_a_yielding_copy_has_on_the_line():
     assert ends(1000.0) == {"copy": pytest.approx(2.0), "user": pytest.approx(2.5)}
 
 
+def test_the_line_s_buffer_is_ahead_once_however_many_flows_fill_it():
+    # The line's buffer is one (the relay's, as a router's), not one per
+    # flow: two busy flows hold it together, so a new transfer waits behind
+    # 30 bytes of it, not 60, then shares the line three ways.
+    link = Link("l", 100.0, 0.0, buffer_bytes=30.0)
+    link.add(0.0, "a", 1000)
+    link.add(0.0, "b", 1000)
+    nxt = link.add(1.0, "user", 30)                  # a and b have 950 bytes left each
+    assert link.flows["a"].lead == pytest.approx(15.0) and link.flows["b"].lead == pytest.approx(15.0)
+    done = drain(link, nxt)
+    assert done["user"] == pytest.approx(1.0 + 30 / 100 + 30 / (100 / 3))
+    # a yielding copy unpaced has its sockets' bytes ahead as well
+    link = Link("l", 100.0, 0.0, buffer_bytes=30.0, yield_leak_bytes=20.0)
+    link.add(0.0, "copy", 1000, background=True)
+    link.add(1.0, "user", 30)
+    assert link.flows["copy"].lead == pytest.approx(50.0)
+
+
 def test_a_paced_copy_goes_at_its_pace_and_leaves_nothing_ahead_of_a_new_transfer():
     # P's sender paces the copies that yield the line (`copy_pace`): alone,
     # a copy goes at the pace, not the line's rate; and since the line drains

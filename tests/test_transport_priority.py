@@ -238,15 +238,20 @@ async def warm_turn_behind_a_copy(pace: float | None):
 
 
 def test_a_paced_copy_leaves_the_buffers_ahead_of_the_line_empty():
-    """Unpaced, the copy fills the relay's queue (>= 1 MiB: 0.26 s of this line)
-    and the sockets' buffers, and the warm transfer's BEGIN waits behind them (half to all
-    of that queue) before HAVE can come back; paced below the line's rate, it meets a free line."""
+    """Unpaced, the copy keeps the line's buffer (~0.26 MB: 65 ms of this line)
+    between half full and full and its sockets' buffers full: the warm
+    transfer's BEGIN waits behind the line's buffer before HAVE can come
+    back, and its block shares the line with what the sockets hold; paced
+    below the line's rate, it meets a free line."""
     bg, fg = asyncio.run(asyncio.wait_for(warm_turn_behind_a_copy(None), 30))
     assert bg.ok and fg.ok
-    assert fg.handshake_s > 0.12, fg.handshake_s      # six round trips
+    assert fg.handshake_s > 0.05, fg.handshake_s      # a round trip and half the line's buffer at least
+    unpaced_s = fg.finished_s - fg.started_s
+    assert unpaced_s > 0.2, unpaced_s
     bg, fg = asyncio.run(asyncio.wait_for(warm_turn_behind_a_copy(3.6e6), 30))
     assert bg.ok and fg.ok
     assert fg.handshake_s < 0.1, fg.handshake_s        # one round trip (20 ms) and a slice
+    assert fg.finished_s - fg.started_s < 0.6 * unpaced_s
     assert fg.finished_s < bg.finished_s
     # the copy went at about its pace, not faster (it also yielded to the warm one)
     rate = bg.payload_bytes / (bg.finished_s - bg.started_s)

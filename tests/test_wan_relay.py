@@ -67,60 +67,91 @@ def test_throughput_matches_configured_rate_on_a_shared_line():
     run(main())
 
 
-def test_control_connections_do_not_queue_behind_bulk_bytes():
-    """One connection keeps ~0.25-0.5 s of bytes queued on a 2 MB/s line; a small
-    request and its echo on a control connection cross in about one round
-    trip; on a bulk connection the request waits behind the queue."""
-    async def main():
-        async def echo(reader, writer):
-            try:
-                while data := await reader.read(1024):
-                    writer.write(data)
-                    await writer.drain()
-            except ConnectionError:
-                pass
-            writer.close()
-        stats = {}
-        sink = await sink_server(stats)
-        server = await asyncio.start_server(echo, "127.0.0.1", 0)
-        link = WanLink(rate_bytes_s=2e6, latency_s=0.02, jitter_s=0)
-        bulk_port = await link.add_mapping(0, "127.0.0.1", sink.sockets[0].getsockname()[1])
-        echo_port = server.sockets[0].getsockname()[1]
-        ctl_port = await link.add_mapping(0, "127.0.0.1", echo_port, control=True)
-        plain_port = await link.add_mapping(0, "127.0.0.1", echo_port)
-
-        async def rtt(port):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"x")                # connect through the relay first
-            await reader.readexactly(1)
-            t0 = time.monotonic()
-            writer.write(b"p" * 512)
-            await reader.readexactly(512)
-            writer.close()
-            return time.monotonic() - t0
+async def _echo_server():
+    async def echo(reader, writer):
         try:
-            _, bw = await asyncio.open_connection("127.0.0.1", bulk_port)
-            done = asyncio.Event()
+            while data := await reader.read(1024):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        writer.close()
+    return await asyncio.start_server(echo, "127.0.0.1", 0)
 
-            async def flood():
-                stop = time.monotonic() + 8
-                while not done.is_set() and time.monotonic() < stop:
-                    bw.write(b"k" * 65536)
-                    await bw.drain()
-            task = asyncio.create_task(flood())
-            await asyncio.sleep(1.0)          # the bulk connection's queue is full
-            ctl, plain = await rtt(ctl_port), await rtt(plain_port)
-            done.set()
-            await task
+
+async def _rtt(port):
+    """A 512-byte round trip on a connection already through the relay."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"x")
+    await reader.readexactly(1)
+    t0 = time.monotonic()
+    writer.write(b"p" * 512)
+    await reader.readexactly(512)
+    writer.close()
+    return time.monotonic() - t0
+
+
+async def _flooded(num_bulk, measure, rate=2e6, latency_s=0.02):
+    """`num_bulk` connections write as fast as the line takes them; after 1 s,
+    `measure(ctl_port, plain_port)` on the same line."""
+    stats = {}
+    sink = await sink_server(stats)
+    server = await _echo_server()
+    link = WanLink(rate_bytes_s=rate, latency_s=latency_s, jitter_s=0)
+    bulk_port = await link.add_mapping(0, "127.0.0.1", sink.sockets[0].getsockname()[1])
+    echo_port = server.sockets[0].getsockname()[1]
+    ctl_port = await link.add_mapping(0, "127.0.0.1", echo_port, control=True)
+    plain_port = await link.add_mapping(0, "127.0.0.1", echo_port)
+    done = asyncio.Event()
+    writers = [(await asyncio.open_connection("127.0.0.1", bulk_port))[1] for _ in range(num_bulk)]
+
+    async def flood(bw):
+        stop = time.monotonic() + 8
+        while not done.is_set() and time.monotonic() < stop:
+            bw.write(b"k" * 65536)
+            await bw.drain()
+    tasks = [asyncio.create_task(flood(bw)) for bw in writers]
+    try:
+        await asyncio.sleep(1.0)          # the line's buffer is full
+        return await measure(ctl_port, plain_port), link
+    finally:
+        done.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for bw in writers:
             bw.close()
-            assert ctl < 0.1, ctl             # 2 x 20 ms, plus serialization
-            assert plain > 0.2, plain         # behind 0.5-1 MB of queued bulk bytes
-        finally:
-            await link.close()
-            for s in (server, sink):
-                s.close()
-                await s.wait_closed()
+        await link.close()
+        for s in (server, sink):
+            s.close()
+            await s.wait_closed()
+
+
+def test_control_connections_do_not_queue_behind_bulk_bytes():
+    """A busy connection keeps the line's buffer between half full and full
+    (plus a read); a small request and its echo on a control connection cross
+    in about one round trip, on a bulk connection behind that buffer."""
+    async def main():
+        async def measure(ctl_port, plain_port):
+            return await _rtt(ctl_port), await _rtt(plain_port)
+        (ctl, plain), link = await _flooded(1, measure)
+        limit = link.line_queue(True).limit_bytes()
+        assert ctl < 0.1, ctl                                   # 2 x 20 ms, plus serialization
+        assert 0.04 + 0.5 * limit / 2e6 < plain < 0.04 + 2 * limit / 2e6 + 0.15, plain
     run(main())
+
+
+def test_the_line_s_buffer_is_shared_by_its_connections():
+    """Eight connections flooding one line leave a new connection's round trip
+    behind one buffer of the line, not eight: a router's buffer is the
+    line's, not each flow's, and the line's rate is shared about evenly."""
+    async def main():
+        async def measure(ctl_port, plain_port):
+            return [await _rtt(plain_port) for _ in range(3)]
+        rtts, link = await _flooded(8, measure)
+        limit = link.line_queue(True).limit_bytes()
+        assert limit < 8 * 65536 * 2, limit      # eight connections' reads would overflow it
+        # a per-connection buffer would put ~8 x 0.13 s ahead of the request
+        assert max(rtts) < 0.04 + 2 * limit / 2e6 + 0.25, rtts
+    run(main(), timeout_s=30)
 
 
 def test_ping_pong_rtt_is_twice_the_latency():

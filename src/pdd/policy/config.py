@@ -57,8 +57,8 @@ class PolicyConfig:
     # P's senders pace the copies that yield the line at this fraction of
     # its rate (`line_order.copy_pace_bytes_s`; 0: as fast as TCP takes
     # them). Unpaced, a yielding copy keeps the buffers ahead of the line
-    # full (the relay's queue and the sockets': ~1-2 MB, 0.13-0.27 s at
-    # 60 Mbit/s), and a warm turn's HAVE handshake and its few blocks wait
+    # full (the line's and the sockets': ~1-2 MB, 0.13-0.27 s at 60 Mbit/s
+    # with the relay's buffer per connection before session 27), and a warm turn's HAVE handshake and its few blocks wait
     # behind them (`results/wan-bound-22`: handshakes 0.17 s median, up to
     # 0.32, on a shared line against 0.046 alone). Session 23: still 0.17 s
     # at 0.95 on the agentic shape while three cold turns' copies crossed,

@@ -152,6 +152,11 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
         raise NoRouteError("no prefill instance")
     n = req.num_prompt_tokens
     p_id = pick_instance(prefills, cluster.matched_tokens, n, cluster.now, cfg)
+    if req.max_tokens == 1:
+        # P's first token is the whole answer: no decoder, no copy, as a PD
+        # baseline's router does (`pd_flow`); nothing counts in RLD's budgets.
+        return PipelineDecision(Pipeline.DIRECT, p_id, None, None, False, 0, 0.0,
+                                "one token: P's first is the answer", wait_s=0.0)
     rld = _pick_rld(req, cluster, cfg)
     rld_id = rld.instance_id if rld else None
 

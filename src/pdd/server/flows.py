@@ -196,12 +196,13 @@ def finish(ctx: RequestContext, ev: dict) -> None:
     ctx.finish_reason = ev["reason"]
 
 
-def choose_pd(ctx: RequestContext, cluster: Cluster, now: float) -> tuple[Member, Member]:
+def choose_pd(ctx: RequestContext, cluster: Cluster, now: float) -> tuple[Member, Member | None]:
     """P and D of a PD baseline: cache affinity against load, by the very
     function the simulator routes these modes with (`choose_pipeline`: its
     P, and its decoder, which counts D's cache only under DRC). The cached
     prefixes come from the index the load poll keeps (no round trip); an
-    instance whose index is not current counts as holding none."""
+    instance whose index is not current counts as holding none. D is None
+    for a one-token request: P's first token is the answer."""
     names = [m.spec.name for m in cluster.role(Role.PREFILL, Role.DECODE)]
     matched = cluster.indexed_matches(names, ctx.prompt_ids, now)
     facts = RequestFacts(ctx.request_id, len(ctx.prompt_ids), ctx.sampling.max_tokens,
@@ -210,18 +211,21 @@ def choose_pd(ctx: RequestContext, cluster: Cluster, now: float) -> tuple[Member
         d = choose_pipeline(facts, cluster.view(matched, now), cluster.policy)
     except NoRouteError as e:
         raise FlowError(f"no route: {e}") from None
-    return cluster.members[d.p_id], cluster.members[d.md_id]
+    return cluster.members[d.p_id], cluster.members[d.md_id] if d.md_id is not None else None
 
 
 _cleanups: set[asyncio.Task] = set()     # aborts the user's answer does not wait for (`spawn`)
 
 
 async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
-                  p: Member, d: Member, role_name: str = "d") -> AsyncIterator[int]:
-    """Prefill on P, KV to D, D decodes from the first token on (in-DC or naive cross-DC PD)."""
-    ctx.trace.instances |= {"p": p.spec.name, role_name: d.spec.name}
-    streams = Streams(client)
+                  p: Member, d: Member | None, role_name: str = "d") -> AsyncIterator[int]:
+    """Prefill on P, KV to D, D decodes from the first token on (in-DC or
+    naive cross-DC PD); a one-token request is P's alone (D None)."""
     single = ctx.sampling.max_tokens == 1
+    if d is None and not single:
+        raise FlowError("no decode instance for a request of more than one token")
+    ctx.trace.instances |= {"p": p.spec.name} | ({role_name: d.spec.name} if d is not None else {})
+    streams = Streams(client)
     if not single:
         streams.open("d", d, "/internal/decode", decode_body(ctx), ctx.remaining_s())
         cluster.dispatched(d.spec.name, +1)

@@ -71,8 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--no-jitter", action="store_true",
                    help="step times exactly as fitted, without the measured scatter")
     r.add_argument("--no-line-buffer", action="store_true",
-                   help="a transfer a user waits on takes the WAN at once, not after the bytes a "
-                        "yielding copy has already handed to the relay's queue")
+                   help="a transfer a user waits on takes the WAN at once, not after the bytes "
+                        "already in the line's buffer (and a yielding copy's sockets)")
     r.add_argument("--jitter-seed", type=int, default=0, help="seed of the step-time jitter")
     r.add_argument("--seeds", type=int, default=5,
                    help="--validate: jitter seeds to simulate; the median is the prediction")

@@ -73,12 +73,13 @@ class RuntimeOptions:
     step_jitter: bool = True            # draw step times about the fit with the calibration's measured scatter
     line_buffer: bool = True            # bytes already handed to the line go before a new transfer (sim.link)
     # What a yielding copy's sender still has in its socket buffers when it
-    # pauses (loopback autotunes them to megabytes): `python -m pdd.wan.probe`
-    # (2026-12-05, this machine, 60 Mbit/s, 20 +- 5 ms) measured 1.63-2.46 MB
-    # of a copy crossing ahead of a transfer that started behind it (median
-    # 2.05 MB over 12 trials), of which the relay's queue holds its 1.05 MB
-    # limit: 1.00 MB.
-    sender_socket_bytes: float = 1.0e6
+    # pauses (loopback autotunes them to megabytes): `python -m pdd.wan.probe
+    # --wan-mbps 60 --latency-ms 20 --jitter-ms 5` (2026-12-06, the AMD EPYC,
+    # the line's buffer shared) measured 1.46-2.49 MB of a copy crossing
+    # ahead of a transfer that started behind it (median 1.98 MB over 12
+    # trials), of which 3/4 of the line's 0.56 MB buffer: 1.56 MB. (With a
+    # buffer per connection, 2026-12-05: median 2.05 MB, 1.00 MB beyond it.)
+    sender_socket_bytes: float = 1.56e6
     seed: int = 0                       # of that jitter
 
 
@@ -169,16 +170,16 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
         cap = None
         if measured is not None and opts.measured_wan_rate:
             cap = min(measured * 8 / 1e9, line)
-        # The relay's queue of a connection holds between half and all of
-        # its limit while a copy streams: on average 3/4 of it is ahead of a
-        # transfer that starts meanwhile (`LinkSpec.buffer_bytes`). A copy
-        # that yields has its whole queue ahead (it writes as fast as it may)
-        # plus what its sender's socket still holds (`sender_socket_bytes`).
+        # The line's buffer (the relay's, one per direction, shared by every
+        # connection) holds between half and all of its limit while senders
+        # outrun the line: on average 3/4 of it is ahead of a transfer that
+        # starts meanwhile (`LinkSpec.buffer_bytes`). A copy that yields
+        # unpaced still has what its sockets hold ahead (`sender_socket_bytes`).
         limit = queue_limit_bytes(line * 1e9 / 8, link.latency_ms / 1e3, link.jitter_ms / 1e3)
         on = opts.line_buffer
         wan = LinkSpec(gbps=line, rtt_ms=2 * link.latency_ms + link.jitter_ms, max_flow_gbps=cap,
                        price_per_hour=link.cost_per_hour, buffer_bytes=0.75 * limit if on else 0.0,
-                       yield_leak_bytes=limit + opts.sender_socket_bytes if on else 0.0)
+                       yield_leak_bytes=opts.sender_socket_bytes if on else 0.0)
     roles = {i.role for i in spec.instances}
     match = DeployRole.MAIN in roles or (DeployRole.COLOCATED in roles and len(spec.instances) > 1)
     serving = ServingOverheads(spec.router_datacenter, opts.request_s, opts.token_s, match,

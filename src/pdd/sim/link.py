@@ -36,24 +36,26 @@ the cap when P is done.
 
 What a flow has already handed to the line cannot be called back: a
 background sender pauses between slices, but the buffers ahead of the line
-(the relay's queue of the emulated WAN: about a bandwidth-delay product, at
-least 1 MiB, full while the sender outruns the line) still hold its bytes,
-and a new TCP flow's first byte queues behind every other flow's. So when a
-foreground flow starts, each flow the line serves at its full share keeps
-it for `buffer_bytes` more (its `lead`; capped by what is left and by what
-P has made of it) before sharing resumes; a background one keeps it for
-`yield_leak_bytes` (its sender has paused, but the relay's queue and the
-sockets' buffers still hold that much of it) before it yields. 0: a new
-flow gets its share, or its priority, at once.
+still hold its bytes: the line's own buffer (the emulated WAN's relay keeps
+one per direction, as a router does: about a bandwidth-delay product, at
+least 256 KiB, between half full and full while senders outrun the line),
+which a new TCP flow's first byte queues behind, and the sockets' buffers
+of a copy whose sender has paused. So when a foreground flow starts, the
+flows the line serves at their full share keep it for `buffer_bytes` more,
+all of them together (each its even part, capped by what it has left and
+by what P has made of it), before sharing resumes; a background one keeps
+it for `yield_leak_bytes` more (what its sockets still hold) before it
+yields. 0: a new flow gets its share, or its priority, at once.
 
 Background flows may be paced (`background_pace_bytes_s`, all of them
 together, as P's sender paces its yielding copies: `pdd.policy.line_order`):
 held below the line's rate, their sender keeps no bytes in the buffers
 ahead of the line, so they have no lead when a foreground flow starts.
 
-A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow;
-the caller delays `add` by `rtt_s`, which keeps this class about bandwidth
-only.
+A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow,
+and its BEGIN waits in the line's buffer while flows keep it full
+(`queue_s`); the caller delays `add` by those, which keeps this class about
+bandwidth only.
 """
 
 from __future__ import annotations
@@ -104,9 +106,9 @@ class Link:
         if buffer_bytes < 0:
             raise ValueError(f"{name}: buffer_bytes must be >= 0")
         self.buffer_bytes = buffer_bytes
-        # A background flow's sender pauses, but what it already handed over
-        # (the relay's queue and the sockets' buffers) still crosses first.
-        self.yield_leak_bytes = buffer_bytes if yield_leak_bytes is None else yield_leak_bytes
+        # A background flow's sender pauses, but what its sockets already hold
+        # still crosses first (beyond its part of the line's buffer).
+        self.yield_leak_bytes = 0.0 if yield_leak_bytes is None else yield_leak_bytes
         if self.yield_leak_bytes < 0:
             raise ValueError(f"{name}: yield_leak_bytes must be >= 0")
         if background_pace_bytes_s is not None and not background_pace_bytes_s > 0:
@@ -255,11 +257,11 @@ class Link:
         self.flows[flow_id] = flow
         return self._next()
 
-    def _buffered_ahead(self) -> None:
-        """A foreground flow starts: each flow the line is serving at its
-        full share (not held to P's pace: its sender then outruns the line and
-        the relay's queue is full) has up to `buffer_bytes` on the line
-        already, which go first: the relay's queues feed one line in order."""
+    def _filling(self) -> list[Flow]:
+        """The flows that keep the line's buffer full: served at their full
+        share and not held to P's pace (their senders then outrun the line),
+        and not paced copies (the line drains faster than they feed it)."""
+        out = []
         for fid, rate in self._rates().items():
             f = self.flows[fid]
             if rate <= 0 or f.lead > 0:
@@ -267,11 +269,33 @@ class Link:
             if f.cap_bytes_s != math.inf and rate >= f.cap_bytes_s * (1 - 1e-9) and not self._behind(f):
                 continue
             if f.background and self.background_pace_bytes_s != math.inf:
-                continue                    # paced: nothing of it waits ahead of the line
+                continue
+            out.append(f)
+        return out
+
+    def _buffered_ahead(self) -> None:
+        """A foreground flow starts: the flows that fill the line's buffer
+        have `buffer_bytes` on the line already, all together, which go
+        first: the line's buffer feeds it in order. A yielding copy unpaced
+        has its sockets' bytes ahead too."""
+        ahead = self._filling()
+        for f in ahead:
             sent = f.num_bytes - f.remaining
             made = self._made(f) - sent if f.cap_bytes_s != math.inf else f.remaining
-            ahead = self.yield_leak_bytes if f.background else self.buffer_bytes
-            f.lead = max(0.0, min(ahead, f.remaining, made))
+            mine = self.buffer_bytes / len(ahead) + (self.yield_leak_bytes if f.background else 0.0)
+            f.lead = max(0.0, min(mine, f.remaining, made))
+
+    def queue_s(self, now: float) -> float:
+        """How long a message handed to the line now (a transfer's BEGIN)
+        waits in its buffer: the buffer's bytes at the line's rate while some
+        flow keeps it full, else 0."""
+        self._advance(now)
+        if self.buffer_bytes <= 0:
+            return 0.0
+        held = sum(f.lead for f in self.flows.values())
+        if not held and self._filling():
+            held = self.buffer_bytes
+        return min(held, self.buffer_bytes) / self.bandwidth_bytes_s
 
     def progress(self, now: float, flow_id: str, made_bytes: float,
                  cap_bytes_s: float | None = None) -> tuple[float, int] | None:

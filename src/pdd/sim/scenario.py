@@ -95,12 +95,12 @@ class LinkSpec:
     rtt_ms: float
     max_flow_gbps: float | None = None
     price_per_hour: float = 0.0
-    # Bytes a yielding copy has already handed to the line (the buffers
-    # between P's sender and the far end) when a transfer a user waits on
-    # starts: those go first, whatever the senders' priorities (`sim.link`).
+    # Bytes the line's buffer holds when a transfer a user waits on starts
+    # (all flows together): those go first, whatever the senders'
+    # priorities (`sim.link`).
     buffer_bytes: float = 0.0
-    # ... and what a yielding copy still has on its way when it pauses (None:
-    # buffer_bytes): its sender's socket buffers too.
+    # ... and what a yielding copy still has on its way when it pauses,
+    # beyond its part of that buffer: its sender's socket buffers (None: 0).
     yield_leak_bytes: float | None = None
 
     @property

@@ -63,7 +63,8 @@ class TransfersMixin:
         # Its size is known at HAVE time (set in `_on_have_arrives`).
         self.flows[flow_id] = (req, kind, dst.instance_id, now, None, name)
         self.flow_steps[flow_id] = dst.num_steps
-        return [self._later(link.rtt_s / 2, BeginArrives(name, flow_id, now, blocks, background))]
+        # BEGIN crosses behind what the line's buffer holds (`Link.queue_s`).
+        return [self._later(link.rtt_s / 2 + link.queue_s(now), BeginArrives(name, flow_id, now, blocks, background))]
 
     def _on_begin_arrives(self, ev: Event) -> list[Event]:
         """BEGIN reached the receiver: it answers HAVE, once the transfers

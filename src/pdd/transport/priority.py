@@ -14,21 +14,20 @@ still lies ahead of a foreground transfer is what the background one had
 already handed to the network: one slice, what the sockets' kernel
 buffers hold, and what the line itself holds in flight. On loopback the
 kernel buffers autotune to megabytes and take a copy's bytes before any
-pause can act, so here the gate mostly orders what they have not taken:
-TCP_NOTSENT_LOWAT on the sender plus a small receive buffer and one
-shared router buffer in the WAN relay made a pause bite (a foreground
-megabyte behind a 6 MB copy: 0.58 s instead of 0.83 s), but that relay
-stalled connections under the soak test's churn of disconnects, so it is
-not in. A real line's sender would set TCP_NOTSENT_LOWAT.
+pause can act, so here the gate mostly orders what they have not taken;
+what they hold crosses beside the foreground transfer, the line's buffer
+(the WAN relay's, one per direction, as a router's) shared about evenly
+among the connections that have bytes for it (`pdd.wan.pipe`). A real
+line's sender would set TCP_NOTSENT_LOWAT.
 
 What the sender can do is not hand them those bytes: `KVSender` paces the
 background slices of a line (`paces`, from `pdd.deploy.topology.copy_pace`:
 0.95 of the line's rate by default) so that the line drains faster than it
 is fed and the buffers ahead of it stay empty. Measured through the relay
 (`tests/test_transport_priority.py`, 4 MB/s, 10 ms one way): a one-block
-transfer behind an unpaced 6 MB copy took 0.73 s, its BEGIN -> HAVE 0.20 s;
-behind the same copy paced at 0.9 of the line, 0.07 s and 0.02 s, for
-10% off the copy's rate.
+transfer behind an unpaced 6 MB copy took 0.36 s, its BEGIN -> HAVE 0.08 s
+(behind the line's buffer, 0.26 MB); behind the same copy paced at 0.9 of
+the line, 0.09 s and 0.02 s, for 10% off the copy's rate.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 P's sender pauses a background copy between 64 KB slices while a transfer a
 user waits on is on the same line (`pdd.transport.priority`). What the copy
-already handed over is beyond its reach: the relay's queue for its
-connection (about a bandwidth-delay product, at least 1 MiB) and, on
-loopback, the sockets' buffers, which the kernel autotunes to megabytes.
+already handed over is beyond its reach: its part of the line's buffer
+(the relay's, one per direction: about a bandwidth-delay product, at least
+256 KiB) and, on loopback, the sockets' buffers, which the kernel
+autotunes to megabytes.
 This probe measures it on the emulated line, with the real sender, receiver
 and relay: a big background copy streams, a small foreground transfer
 starts behind it, and
@@ -14,8 +15,8 @@ starts behind it, and
 is what crossed ahead of it (the idle-line time holds what every transfer
 pays: a connection, its authentication, BEGIN -> HAVE, the END's answer).
 The simulator's model of the line takes the result as
-`RuntimeOptions.sender_socket_bytes` (the lead less the relay's queue
-limit).
+`RuntimeOptions.sender_socket_bytes` (the lead less 3/4 of the line's
+buffer, what the simulator puts ahead for the buffer).
 
     python -m pdd.wan.probe --wan-mbps 60 --latency-ms 20 --jitter-ms 5
 """
@@ -111,7 +112,9 @@ async def probe(rate_bytes_s: float, latency_s: float, jitter_s: float, sizes=(1
     limit = queue_limit_bytes(rate_bytes_s, latency_s, jitter_s)
     return {"rate_bytes_s": rate_bytes_s, "latency_s": latency_s, "jitter_s": jitter_s,
             "lead_bytes_median": lead, "relay_queue_limit_bytes": limit,
-            "sender_socket_bytes": max(0.0, lead - limit), "trials": [asdict(t) for t in trials]}
+            # what the simulator's line puts ahead beyond 3/4 of the line's buffer
+            # (`sim.deployment`: the buffer refills from half to full)
+            "sender_socket_bytes": max(0.0, lead - 0.75 * limit), "trials": [asdict(t) for t in trials]}
 
 
 def main(argv: list[str] | None = None) -> int:

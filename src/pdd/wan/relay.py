@@ -6,7 +6,8 @@ is shared. A mapping `listen_port -> (target_host, target_port)` carries
 clients in A to a server in B (`reverse=True`: clients in B, server in A).
 
 Each relayed connection is two Pipes (pdd.wan.pipe), one per direction:
-shaped, in order, with backpressure towards the sender.
+shaped, in order, with backpressure towards the sender. The line's buffer is
+one per direction too (`LineQueue`), shared by every bulk connection.
 
 cut(): every current connection is reset (RST) at once, queued bytes are
 dropped, and new connections are accepted and reset until restore().
@@ -21,7 +22,7 @@ import asyncio
 import logging
 from dataclasses import asdict, dataclass
 
-from pdd.wan.pipe import Pipe, reset_transport
+from pdd.wan.pipe import LineQueue, Pipe, reset_transport
 from pdd.wan.shaper import (
     KEEP, DEFAULT_BURST_BYTES, DEFAULT_JITTER_S, DEFAULT_LATENCY_S, DEFAULT_RATE_BYTES_S, Shaper,
 )
@@ -41,8 +42,10 @@ class WanStats:
     num_bytes_dropped: int = 0  # queued bytes thrown away by cut() or a reset
 
 
-class _Side(asyncio.Protocol):
-    """One TCP endpoint of a relayed connection; `mapping` is set on accepted clients."""
+class _Side(asyncio.BufferedProtocol):
+    """One TCP endpoint of a relayed connection; `mapping` is set on accepted clients.
+    Reads go into a buffer of the size its pipe asks for (`Pipe.read_bytes`),
+    so connections that the line lets read again add a bounded amount each."""
 
     def __init__(self, link: "WanLink", mapping: "_Mapping | None" = None):
         self.conn: _Relayed | None = None
@@ -50,15 +53,22 @@ class _Side(asyncio.Protocol):
         self.mapping = mapping
         self.transport: asyncio.Transport | None = None
         self.pipe_out: Pipe | None = None  # pipe that reads from this side
+        self._buf = bytearray()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         if self.mapping is not None:
             self.link._accept(self)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        size = self.pipe_out.read_bytes() if self.pipe_out is not None else 64 * 1024
+        if len(self._buf) != size:
+            self._buf = bytearray(size)
+        return memoryview(self._buf)
+
+    def buffer_updated(self, nbytes: int) -> None:
         if self.pipe_out is not None:
-            self.pipe_out.push(data)
+            self.pipe_out.push(bytes(self._buf[:nbytes]))
 
     def eof_received(self) -> bool:
         if self.pipe_out is not None:
@@ -129,6 +139,7 @@ class WanLink:
                  jitter_s: float = DEFAULT_JITTER_S, burst_bytes: int = DEFAULT_BURST_BYTES, seed: int = 0):
         self.shaper_a_to_b = Shaper(rate_bytes_s, latency_s, jitter_s, burst_bytes, seed=seed)
         self.shaper_b_to_a = Shaper(rate_bytes_s, latency_s, jitter_s, burst_bytes, seed=seed + 1)
+        self._queues = {True: LineQueue(self.shaper_a_to_b), False: LineQueue(self.shaper_b_to_a)}
         self.stats = WanStats()
         self.mappings: list[_Mapping] = []
         self.is_cut = False
@@ -173,6 +184,10 @@ class WanLink:
             for conn in list(self._conns):
                 conn.up.release_held()
                 conn.down.release_held()
+
+    def line_queue(self, a_to_b: bool) -> LineQueue:
+        """The buffer of one direction of the line, shared by its bulk connections."""
+        return self._queues[a_to_b]
 
     def stats_dict(self) -> dict:
         return {
