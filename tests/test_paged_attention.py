@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdd.engine import paged_attention
+from pdd.engine import attention_kernels, paged_attention
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
 from pdd.engine.request import EngineRequest, SamplingParams
@@ -154,13 +154,13 @@ def test_bf16_decodes_by_the_fp32_kernel_round_only_the_output(seed, layout):
 
 
 def test_decode_kernel_choice():
-    assert paged_attention.decode_kernel("auto", torch.float32, KVH, D, H // KVH) == "fp32"
-    assert paged_attention.decode_kernel("flash", torch.bfloat16, KVH, D, H // KVH) == "flash"
-    chosen = paged_attention.decode_kernel("auto", torch.bfloat16, KVH, D, H // KVH)
-    assert chosen in paged_attention.DECODE_KERNELS
-    assert paged_attention._CHOSEN[(torch.bfloat16, KVH, D, H // KVH)] == chosen   # measured once
+    assert attention_kernels.decode_kernel("auto", torch.float32, KVH, D, H // KVH) == "fp32"
+    assert attention_kernels.decode_kernel("flash", torch.bfloat16, KVH, D, H // KVH) == "flash"
+    chosen = attention_kernels.decode_kernel("auto", torch.bfloat16, KVH, D, H // KVH)
+    assert chosen in attention_kernels.DECODE_KERNELS
+    assert attention_kernels._CHOSEN[(torch.bfloat16, KVH, D, H // KVH)] == chosen   # measured once
     with pytest.raises(ValueError, match="decode attention"):
-        paged_attention.decode_kernel("fast", torch.bfloat16, KVH, D, H // KVH)
+        attention_kernels.decode_kernel("fast", torch.bfloat16, KVH, D, H // KVH)
     with pytest.raises(ValueError, match="decode_attention"):
         EngineConfig(decode_attention="fast")
 
@@ -184,7 +184,7 @@ def test_bf16_chunks_after_a_context_match_the_fp32_reference(seed, layout, monk
     real = PagedAttention._chunk_pieces
     monkeypatch.setattr(PagedAttention, "_chunk_pieces", lambda self, *a: calls.append(1) or real(self, *a))
     for group_max in (0, 64):                      # per query head / grouped by KV head
-        monkeypatch.setattr(paged_attention, "GROUP_MAX_ROWS", group_max)
+        monkeypatch.setattr(attention_kernels, "GROUP_MAX_ROWS", group_max)
         calls.clear()
         out, kv = _run(kv0, seqs, q, k, v, EACH)
         assert len(calls) == sum(1 for st, n, _ in seqs if n > 1 and st > 0)

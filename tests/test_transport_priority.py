@@ -245,7 +245,7 @@ def test_a_paced_copy_leaves_the_buffers_ahead_of_the_line_empty():
     below the line's rate, it meets a free line."""
     bg, fg = asyncio.run(asyncio.wait_for(warm_turn_behind_a_copy(None), 30))
     assert bg.ok and fg.ok
-    assert fg.handshake_s > 0.05, fg.handshake_s      # a round trip and half the line's buffer at least
+    assert fg.handshake_s > 0.035, fg.handshake_s     # a round trip (20 ms) and part of the line's buffer
     unpaced_s = fg.finished_s - fg.started_s
     assert unpaced_s > 0.2, unpaced_s
     bg, fg = asyncio.run(asyncio.wait_for(warm_turn_behind_a_copy(3.6e6), 30))
