@@ -53,6 +53,11 @@ def queue_limit_bytes(rate_bytes_s: float | None, latency_s: float, jitter_s: fl
     return max(MIN_QUEUE_BYTES, int(rate_bytes_s * (latency_s + jitter_s + QUEUE_BUFFER_S)))
 
 
+def line_limit_bytes(shaper) -> int:
+    """`queue_limit_bytes` of a shaper's line as it is configured now."""
+    return queue_limit_bytes(shaper.rate_bytes_s, shaper.latency_s, shaper.jitter_s)
+
+
 def reset_transport(transport: asyncio.BaseTransport | None) -> None:
     """Close with RST (SO_LINGER 0), like a line that dies, not a polite FIN."""
     if transport is None or transport.is_closing():
@@ -79,8 +84,7 @@ class LineQueue:
         return sum(p.queued_bytes for p in self.pipes)
 
     def limit_bytes(self) -> int:
-        sh = self.shaper
-        return queue_limit_bytes(sh.rate_bytes_s, sh.latency_s, sh.jitter_s)
+        return line_limit_bytes(self.shaper)
 
     def stop(self, pipe: "Pipe") -> None:
         self.stopped.setdefault(pipe, None)
@@ -132,23 +136,30 @@ class Pipe:
         src.pipe_out = self
 
     def push(self, data: bytes) -> None:
-        self.queued_bytes += len(data)
+        """Bytes read from the source."""
         now = self.link.loop.time()
         self._recent = self.recent_bytes(now) + len(data)
         self._recent_s = now
+        self._enqueue(data, now)
+
+    def _enqueue(self, data: bytes, now: float) -> None:
+        self.queued_bytes += len(data)
         if self.link.blackholed:
             self.held.append(data)
         else:
-            self.queue.append((self.shaper.schedule(self.link.loop.time(), len(data), self.priority), data))
+            self.queue.append((self.shaper.schedule(now, len(data), self.priority), data))
             if self.timer is None:
                 self.flush()
         self.update_reading()
 
     def release_held(self) -> None:
+        """The line is back: held bytes go to it in order (read once: not
+        counted again in `recent_bytes`)."""
         held, self.held = self.held, []
         self.queued_bytes -= sum(map(len, held))
+        now = self.link.loop.time()
         for data in held:
-            self.push(data)
+            self._enqueue(data, now)
         if self.eof_pending and self.timer is None:
             self.flush()
 
@@ -219,8 +230,7 @@ class Pipe:
         return max(MIN_READ_BYTES, min(MAX_READ_BYTES, self.queue_limit_bytes() // 8))
 
     def queue_limit_bytes(self) -> int:
-        sh = self.shaper
-        return queue_limit_bytes(sh.rate_bytes_s, sh.latency_s, sh.jitter_s)
+        return line_limit_bytes(self.shaper)
 
     def drop(self) -> int:
         """The connection is gone: its bytes leave the line's buffer unsent."""

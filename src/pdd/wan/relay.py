@@ -68,7 +68,7 @@ class _Side(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.pipe_out is not None:
-            self.pipe_out.push(bytes(self._buf[:nbytes]))
+            self.pipe_out.push(bytes(memoryview(self._buf)[:nbytes]))   # one copy
 
     def eof_received(self) -> bool:
         if self.pipe_out is not None:
