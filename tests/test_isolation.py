@@ -92,7 +92,10 @@ def _run(eng: Engine, reqs: list[EngineRequest], corrupt: dict[str, int] | None 
 
 def test_poisoned_batch_leaves_neighbours_unchanged_on_the_real_model(smollm2):
     model, cfg = smollm2
-    ecfg = EngineConfig(num_blocks=128, max_num_seqs=16, max_num_batched_tokens=512)
+    # The ten prompts (12-33 tokens) in one step, the poisoned ones beside the
+    # others: a step overhead this large lets every short prompt join the step
+    # that ends the first ones (`pdd.policy.step_packing`).
+    ecfg = EngineConfig(num_blocks=128, max_num_seqs=16, max_num_batched_tokens=512, step_overhead_tokens=512)
     n = 10
     normal = {f"n{k}": prompt(10 + k, 12 + 7 * k) for k in range(4)}
     alone = {}

@@ -91,3 +91,34 @@ def test_a_final_extend_that_finds_its_request_not_yet_admitted_runs_alone_too()
     assert not md.urgent
     out = step(s)
     assert out["md"] == 1 and out["a"] == 1 and out["b"] == 1
+
+
+def test_a_longer_prompts_last_chunk_does_not_join_a_step_that_ends_a_short_one():
+    """The cold prompt's remainder (194 tokens) fits the step's budget, but the
+    warm turn would wait for it: the warm turn runs alone, the remainder next."""
+    s = make()
+    s.add(req("cold", 450, 0.0))
+    assert step(s) == {"cold": 256}
+    s.add(req("warm", 40, 1.0, base=5000))
+    assert step(s) == {"warm": 40}
+    assert step(s) == {"warm": 1, "cold": 194}
+
+
+def test_short_prompts_still_share_a_step_and_a_short_remainder_joins_them():
+    s = make()
+    s.add(req("cold", 290, 0.0))
+    assert step(s) == {"cold": 256}
+    s.add(req("w1", 30, 1.0, base=5000))
+    s.add(req("w2", 40, 1.1, base=6000))
+    # w1 (30) ends; w2 (40 <= 30 + 64) joins; then cold's 34 tokens: 2 x 34 <= 70 + 64.
+    assert step(s) == {"w1": 30, "w2": 40, "cold": 34}
+
+
+def test_the_step_overhead_setting_moves_the_line():
+    cfg = EngineConfig(block_size=16, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=256,
+                       step_overhead_tokens=200)
+    s = Scheduler(cfg, BlockPool(cfg.num_blocks, cfg.block_size, True), b"ns")
+    s.add(req("cold", 450, 0.0))
+    assert step(s) == {"cold": 256}
+    s.add(req("warm", 40, 1.0, base=5000))
+    assert step(s) == {"warm": 40, "cold": 194}      # 194 <= 40 + 200: as cheap to carry as to wait

@@ -30,9 +30,12 @@ from test_sim_events import AS_WRITTEN, pdd_as_written   # the example as these 
 
 
 # 100 requests each, ~1 s: the paths below; "quick+cuts": the WAN cut for
-# 3 s every 20 s (copies fail, DIRECT fails over to RLD, routing sees it down).
-RUNS = ("full", "wan-bound-xeon", "quick+cuts")
+# 3 s every 20 s (copies fail, DIRECT fails over to RLD, routing sees it down);
+# "wan-bound+slow": the AMD-sized preset on its 18 Mbit/s line, where relays
+# end on RLD with MD's copy still landing (parked), as in the real runs.
+RUNS = ("full", "wan-bound-xeon", "quick+cuts", "wan-bound+slow")
 CUTS = [(t, t + 3.0) for t in (10.0, 30.0, 50.0, 70.0, 90.0, 110.0)]
+SLOW = {**AS_WRITTEN, "links": {"bandwidth_mbps": 18.0}}
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +44,12 @@ def runs(tmp_path_factory):
     path = pdd_as_written(tmp_path_factory.mktemp("pdd") / "pdd.toml")
     for name in RUNS:
         with pytest.MonkeyPatch.context() as mp:
-            out[name] = record_run(mp, name.split("+")[0], path, cuts=CUTS if name.endswith("+cuts") else ())
+            out[name] = record_run(mp, name.split("+")[0], path, cuts=CUTS if name.endswith("+cuts") else (),
+                                   overrides=SLOW if name.endswith("+slow") else AS_WRITTEN)
     return out
 
 
-def record_run(monkeypatch, preset: str, path: Path, num_requests: int = 100, cuts=()):
+def record_run(monkeypatch, preset: str, path: Path, num_requests: int = 100, cuts=(), overrides=AS_WRITTEN):
     """Simulate examples/pdd.toml (`path`: as written) on an agentic workload,
     keeping every routing decision, lifecycle creation, fact and command in order."""
     calls: list[tuple] = []
@@ -74,7 +78,7 @@ def record_run(monkeypatch, preset: str, path: Path, num_requests: int = 100, cu
     monkeypatch.setattr(driver_mod, "RequestLifecycle", Recording)
     monkeypatch.setattr(cluster_mod.Cluster, "run", run_with_cuts)
     wl = agentic.generate(dataclasses.replace(agentic.PRESETS[preset], num_requests=num_requests))
-    entry_, records, _ = run_runtime_mode(RuntimeMode("pdd", str(path), AS_WRITTEN), wl,
+    entry_, records, _ = run_runtime_mode(RuntimeMode("pdd", str(path), overrides), wl,
                                           Sla(10.0, 1.0))
     return calls, records
 

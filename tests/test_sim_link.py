@@ -198,6 +198,26 @@ def test_the_line_s_buffer_is_ahead_once_however_many_flows_fill_it():
     assert link.flows["copy"].lead == pytest.approx(50.0)
 
 
+def test_a_transfer_lets_the_copies_go_once_its_last_bytes_are_in_its_socket():
+    # P's sender lets the yielding copies go again when a transfer's last
+    # block is written (`LineShare.let_go`), not when it has crossed: the
+    # bytes its socket still holds then share the line with the copy.
+    def ends(release):
+        link = Link("l", 100.0, 0.0, tail_release_bytes=release)
+        link.add(0.0, "copy", 1000, background=True)
+        return drain(link, link.add(1.0, "user", 200))     # the copy has 900 bytes left
+    assert ends(0.0) == {"user": pytest.approx(3.0), "copy": pytest.approx(12.0)}
+    # 150 alone (1.5 s), then the last 50 at half the line beside the copy (1 s)
+    assert ends(50.0) == {"user": pytest.approx(3.5), "copy": pytest.approx(12.0)}
+    # a paced copy resumes at its pace at most
+    link = Link("l", 100.0, 0.0, tail_release_bytes=50.0, background_pace_bytes_s=20.0)
+    link.add(0.0, "copy", 1000, background=True)
+    done = drain(link, link.add(1.0, "user", 200))
+    assert done["user"] == pytest.approx(1.0 + 1.5 + 50 / 80)
+    with pytest.raises(ValueError):
+        Link("l", 100.0, 0.0, tail_release_bytes=-1.0)
+
+
 def test_a_paced_copy_goes_at_its_pace_and_leaves_nothing_ahead_of_a_new_transfer():
     # P's sender paces the copies that yield the line (`copy_pace`): alone,
     # a copy goes at the pace, not the line's rate; and since the line drains

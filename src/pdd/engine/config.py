@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdd.policy.step_packing import STEP_OVERHEAD_TOKENS
+
 # Bytes per element of each serving dtype: the KV cache, its blocks on the
 # wire and the simulator's KV and weight sizes all follow the engine's dtype.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -31,6 +33,9 @@ class EngineConfig:
     # how decodes are attended in bf16 / fp16 (engine/paged_attention.py, `decode_kernel`):
     # "flash" (SDPA on the dtype), "fp32" (the context copied to fp32), "auto" (the faster, measured)
     decode_attention: str = "auto"
+    # a step's fixed cost in tokens of its per-token cost: how much longer prompt
+    # work may join a step that ends short prompts (policy/step_packing.py)
+    step_overhead_tokens: int = STEP_OVERHEAD_TOKENS
 
     def __post_init__(self):
         for name in ("enable_prefix_cache", "decode_rows", "huge_pages"):
@@ -44,6 +49,9 @@ class EngineConfig:
             raise ValueError(f"engine.decode_attention must be auto, flash or fp32, got {self.decode_attention!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"engine.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if isinstance(self.step_overhead_tokens, bool) or not isinstance(self.step_overhead_tokens, int) \
+                or self.step_overhead_tokens < 0:
+            raise ValueError(f"engine.step_overhead_tokens must be an integer >= 0, got {self.step_overhead_tokens!r}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("engine.max_num_batched_tokens must be >= engine.block_size")
 

@@ -10,11 +10,12 @@ goes to prompt work, shortest remaining first: running prefill / extend
 chunks and waiting requests (admitted with their longest cached prefix)
 alike, ordered by the tokens they still have to compute (ties by arrival).
 So a warm follow-up that computes a few dozen tokens is not queued behind a
-cold prompt's seconds of chunks. A step that completes prompts carries no
-chunk of a longer one: on a CPU a step's time grows with its tokens, so
-adding a 512-token chunk would make the short prompts wait for it; the long
-prompt resumes in the next step without them (it waits only while short
-prompts keep arriving, which they do at far less than the budget). When blocks run out, the
+cold prompt's seconds of chunks. A step that completes prompts takes more
+prompt work only as far as they can wait for it (`pdd.policy.step_packing`,
+shared with the simulator): on a CPU a step's time grows with its tokens,
+so a longer prompt's chunk, even its last, would make the short prompts
+wait for it; it runs in the next step without them (it waits only while
+short prompts keep arriving, which they do at far less than the budget). When blocks run out, the
 most recently admitted request not yet in this step is preempted and later
 recomputed (its tokens are kept, so the output does not change).
 """
@@ -28,6 +29,7 @@ from pdd.engine.block_pool import BlockPool
 from pdd.engine.config import EngineConfig
 from pdd.engine.hashing import hash_block, hash_blocks
 from pdd.engine.request import EngineRequest, RequestStatus
+from pdd.policy.step_packing import joins_step
 
 
 @dataclass
@@ -128,13 +130,17 @@ class Scheduler:
         work = [(r.num_uncomputed, r.arrival_s, 0, k, r) for k, r in enumerate(self.running)
                 if r.num_uncomputed > 1]
         work += [(self._remaining_estimate(r), r.arrival_s, 1, k, r) for k, r in enumerate(self.waiting)]
-        admitting, completing = True, False
+        admitting, completing = True, 0
+        full = self.cfg.max_num_batched_tokens
         for remaining, _, waiting, _, req in sorted(work, key=lambda w: w[:4]):
-            if budget <= 0 or (completing and remaining > budget):
-                break          # a step that ends prompts does not wait on a long chunk
-            completing = completing or remaining <= budget
+            # A step that ends prompts takes no more than they can wait for.
+            if not joins_step(remaining, max(budget, 0), full - budget, completing,
+                              self.cfg.step_overhead_tokens):
+                break
             if not waiting:
+                before = budget
                 budget = self._run(req, budget, in_plan, plan)
+                completing += int(before - budget == remaining)
                 continue
             if not admitting or len(self.running) >= self.cfg.max_num_seqs or req not in self.waiting:
                 continue
@@ -152,6 +158,7 @@ class Scheduler:
                 continue
             self._start(req, n, in_plan, plan)
             budget -= n
+            completing += int(req.num_computed_tokens + n == req.num_tokens)
         return plan
 
     def _start(self, req: EngineRequest, n: int, in_plan: set[str], plan: StepPlan) -> None:

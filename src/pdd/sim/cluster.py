@@ -96,7 +96,8 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
                     iid, pool.role, pool.datacenter, cost, pool.max_batch, pool.token_budget,
                     self.block_size, blocks, cache, macro, pool.chunk_packing,
                     jitter=pool.step_jitter, seed=zlib.crc32(f"{mode.seed}/{iid}".encode()),
-                    row_factors=pool.row_factors, lone_chunk_factor=pool.lone_chunk_factor)
+                    row_factors=pool.row_factors, lone_chunk_factor=pool.lone_chunk_factor,
+                    step_overhead_tokens=pool.step_overhead_tokens)
                 if pool.core in shared:
                     self.core_of[iid] = f"core{pool.core}"
                     self.core_weight[iid] = cfs_weight(pool.nice)
@@ -114,6 +115,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
                                      _bytes(mode.wan.max_flow_gbps), max_yield_s=bound,
                                      buffer_bytes=mode.wan.buffer_bytes,
                                      yield_leak_bytes=mode.wan.yield_leak_bytes,
+                                     tail_release_bytes=mode.wan.tail_release_bytes,
                                      background_pace_bytes_s=copy_pace_bytes_s(
                                          mode.wan.bandwidth_bytes_s, senders, self.cfg.copy_pace))
         self.estimators = {name: LinkEstimator.from_line(l.bandwidth_bytes_s * 8, l.rtt_s / 2)
@@ -130,6 +132,10 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         self.flows: dict[str, tuple[SimRequest, str, str, float, int, str]] = {}
         self.flow_steps: dict[str, int] = {}      # flow id -> receiver's step count at its start
         self.flow_handshake: dict[str, float] = {}   # flow id -> BEGIN..HAVE seconds
+        # flow id -> (the blocks it covers, how many of them the receiver held at
+        # HAVE, up to which of them P held before (those land first, one by
+        # one), in how many blocks at once the rest land)
+        self.flow_span: dict[str, tuple[list, int, int, int]] = {}
         self.flow_yielded: dict[str, float] = {}     # flow id -> seconds it yielded the line
         self.flow_shared: set[str] = set()           # flows that shared their line with another
         self.flow_paced: dict[str, float] = {}       # flow id -> seconds it waited for P's KV

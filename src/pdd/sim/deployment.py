@@ -154,7 +154,8 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
             datacenter=inst.datacenter, max_batch=e.max_num_seqs,
             token_budget=e.max_num_batched_tokens, prefix_cache=e.enable_prefix_cache,
             name=inst.name, kv_blocks=e.num_blocks, price_per_hour=inst.cost_per_hour,
-            core=inst.cpu, nice=inst.nice, chunk_packing="short_first", **coef))
+            core=inst.cpu, nice=inst.nice, chunk_packing="short_first",
+            step_overhead_tokens=e.step_overhead_tokens, **coef))
     block_sizes = {i.engine.block_size for i in spec.instances}
     if len(block_sizes) != 1:
         raise ValueError(f"{spec.name}: instances disagree on engine.block_size {sorted(block_sizes)}")
@@ -179,7 +180,8 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
         on = opts.line_buffer
         wan = LinkSpec(gbps=line, rtt_ms=2 * link.latency_ms + link.jitter_ms, max_flow_gbps=cap,
                        price_per_hour=link.cost_per_hour, buffer_bytes=0.75 * limit if on else 0.0,
-                       yield_leak_bytes=opts.sender_socket_bytes if on else 0.0)
+                       yield_leak_bytes=opts.sender_socket_bytes if on else 0.0,
+                       tail_release_bytes=opts.sender_socket_bytes if on else 0.0)
     roles = {i.role for i in spec.instances}
     match = DeployRole.MAIN in roles or (DeployRole.COLOCATED in roles and len(spec.instances) > 1)
     serving = ServingOverheads(spec.router_datacenter, opts.request_s, opts.token_s, match,

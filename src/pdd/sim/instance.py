@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pdd.policy import InstanceView, Role
+from pdd.policy.step_packing import STEP_OVERHEAD_TOKENS, joins_step
 from pdd.policy.views import fit_prefill_cost, prefill_compute_s
 from pdd.sim.calibration_steps import role_group
 from pdd.sim.cost_model import CostModel, chunk_pairs, row_bucket
@@ -103,7 +104,8 @@ class SimInstance:
                  max_batch: int, token_budget: int, block_size: int, kv_blocks: int,
                  cache: bool, max_macro_steps: int = 32, packing: str = "packed",
                  deliver_s: float = 0.0, jitter: float = 0.0, seed: int = 0,
-                 row_factors: tuple[float, ...] = (), lone_chunk_factor: float = 1.0) -> None:
+                 row_factors: tuple[float, ...] = (), lone_chunk_factor: float = 1.0,
+                 step_overhead_tokens: int = STEP_OVERHEAD_TOKENS) -> None:
         if kv_blocks <= 0:
             raise ValueError(f"{instance_id}: no KV memory left after the weights")
         self.instance_id, self.role, self.datacenter = instance_id, role, datacenter
@@ -116,6 +118,7 @@ class SimInstance:
         self.max_macro_steps = max_macro_steps
         self.single_chunk = packing == "single"     # one prefill chunk per step: tail chunks run alone
         self.short_first = packing == "short_first"   # our engine's order (pdd.engine.scheduler)
+        self.step_overhead_tokens = step_overhead_tokens
         self.deliver_s = deliver_s           # instance -> user latency of a streamed token
         self.jobs: deque[Job] = deque()
         self.waiting: deque[Seq] = deque()
@@ -253,10 +256,10 @@ class SimInstance:
         chunks: list[tuple[Job, int]] = []
         pairs = 0.0
         ctx = 0.0
-        admitting, completing = True, False
+        admitting, completing = True, 0
         # FCFS; or shortest remaining first, as our engine's scheduler (ties:
-        # arrival), where a step that completes prompts carries no chunk of a
-        # longer one.
+        # arrival), where a step that completes prompts takes only what they
+        # can wait for (`pdd.policy.step_packing`).
         if self.short_first and self.cache is not None:
             # The engine ranks waiting prompts by what they would compute now
             # (its cache may have grown since they arrived: an earlier
@@ -270,16 +273,16 @@ class SimInstance:
         for job in jobs:
             if budget <= 0:
                 break
-            if self.short_first:
-                if completing and job.num_tokens - job.done > budget:
-                    break
-                completing = completing or job.num_tokens - job.done <= budget
+            if self.short_first and not joins_step(job.num_tokens - job.done, budget, self.token_budget - budget,
+                                                   completing, self.step_overhead_tokens):
+                break
             if not job.started and (not admitting or not self._start_job(job)):
                 if not self.short_first:
                     break   # head-of-line: FCFS, no overtaking
                 admitting = False   # no room: later arrivals do not overtake it
                 continue
             c = min(job.num_tokens - job.done, budget)
+            completing += int(c == job.num_tokens - job.done)
             start = job.ctx_start + job.done
             chunks.append((job, c))
             pairs += chunk_pairs(start, c)

@@ -92,7 +92,8 @@ class Link:
     def __init__(self, name: str, bandwidth_bytes_s: float, rtt_s: float,
                  max_flow_bytes_s: float | None = None, shared_efficiency: float = 1.0,
                  max_yield_s: float = math.inf, buffer_bytes: float = 0.0,
-                 yield_leak_bytes: float | None = None, background_pace_bytes_s: float | None = None) -> None:
+                 yield_leak_bytes: float | None = None, background_pace_bytes_s: float | None = None,
+                 tail_release_bytes: float = 0.0) -> None:
         if bandwidth_bytes_s <= 0 or rtt_s < 0:
             raise ValueError(f"{name}: bandwidth must be > 0 and rtt >= 0")
         self.name = name
@@ -114,6 +115,13 @@ class Link:
         if background_pace_bytes_s is not None and not background_pace_bytes_s > 0:
             raise ValueError(f"{name}: background_pace_bytes_s must be > 0 (None: unpaced)")
         self.background_pace_bytes_s = background_pace_bytes_s or math.inf
+        # A foreground transfer lets the line go once its last block is
+        # written to its socket, not once it has crossed: with this much or
+        # less of every foreground flow left, the first yielding copy shares
+        # the line with them again (0: foreground flows hold it to the end).
+        if tail_release_bytes < 0:
+            raise ValueError(f"{name}: tail_release_bytes must be >= 0")
+        self.tail_release_bytes = tail_release_bytes
         self.flows: dict[str, Flow] = {}
         self.version = 0
         self.up = True
@@ -175,7 +183,10 @@ class Link:
         left = self.bandwidth_bytes_s * (self.shared_efficiency if n > 1 else 1.0)
         rates: dict[str, float] = {}
         cap = {f.flow_id: self._cap(f) for f in self.flows.values()}
-        todo = sorted(fg, key=lambda f: cap[f.flow_id] / f.weight)
+        resumed = bg[:1] if fg and bg and self._released(fg) else []
+        for f in resumed:         # it shares the line at its pace, as a foreground flow would
+            cap[f.flow_id] = min(cap[f.flow_id], self.background_pace_bytes_s)
+        todo = sorted(fg + resumed, key=lambda f: cap[f.flow_id] / f.weight)
         while todo:
             per = left / sum(g.weight for g in todo)       # a unit of weight's share
             f = todo[0]
@@ -188,14 +199,23 @@ class Link:
                 rates[g.flow_id] = min(per * g.weight, self.max_flow_bytes_s)
             left = 0.0
             break
-        left_bg = self.background_pace_bytes_s
+        left_bg = self.background_pace_bytes_s - sum(rates[f.flow_id] for f in resumed)
         for f in bg:
+            if f in resumed:
+                continue
             if min(left, left_bg) <= 1e-9:
                 break
             rates[f.flow_id] = min(cap[f.flow_id], left, left_bg, self.max_flow_bytes_s)
             left -= rates[f.flow_id]
             left_bg -= rates[f.flow_id]
         return rates
+
+    def _released(self, fg: list[Flow]) -> bool:
+        """Every foreground flow has at most `tail_release_bytes` left: its
+        sender has written its last block (the rest is in its socket's
+        buffer) and no longer holds the yielding copies back
+        (`transport.line_share.LineShare.let_go`)."""
+        return self.tail_release_bytes > 0 and all(f.remaining <= self.tail_release_bytes for f in fg)
 
     def _advance(self, now: float) -> None:
         if now < self._last_s - 1e-12:
@@ -227,6 +247,12 @@ class Link:
             if r > f.cap_bytes_s and self._behind(f):
                 # it levels with P's making at this rate: its cap applies again then
                 least = min(least, (self._made(f) - (f.num_bytes - f.remaining)) / (r - f.cap_bytes_s))
+        # A foreground flow's last bytes handed to its socket: a copy may resume.
+        if self.tail_release_bytes > 0 and any(f.background for f in self.flows.values()):
+            for i, r in rates.items():
+                f = self.flows[i]
+                if r > 0 and not f.background and f.remaining > self.tail_release_bytes:
+                    least = min(least, (f.remaining - self.tail_release_bytes) / r)
         # A background flow reaching the yield bound changes the order.
         if math.isfinite(self.max_yield_s):
             for f in self.flows.values():

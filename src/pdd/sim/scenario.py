@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pdd.measure.metrics import Sla
 from pdd.policy import PolicyConfig, Role
+from pdd.policy.step_packing import STEP_OVERHEAD_TOKENS
 from pdd.sim.hardware import get_profile
 from pdd.sim.model_shape import ModelShape, get_model
 from pdd.sim.workload import AgenticWorkload, FixedHitWorkload, TraceWorkload
@@ -44,8 +45,10 @@ class PoolSpec:
     # job's tail chunk rides with the next job's head); "single": one prefill
     # chunk per step, so a tail chunk runs alone (the report's bathtub valleys);
     # "short_first": our engine's scheduler (shortest remaining prompt first,
-    # a step that completes prompts carries no chunk of a longer one).
+    # a step that completes prompts takes only what they can wait for:
+    # `pdd.policy.step_packing`, with `step_overhead_tokens`).
     chunk_packing: str = "packed"
+    step_overhead_tokens: int = STEP_OVERHEAD_TOKENS
     time_scale: float = 1.0               # stretches every step (a CPU shared with foreign load)
     # Set by runtime deployment files (pdd.sim.deployment), rarely by hand:
     name: str | None = None               # instance name (instance ids follow it)
@@ -73,6 +76,8 @@ class PoolSpec:
         if self.chunk_packing not in ("packed", "single", "short_first"):
             raise ValueError(f"pool {self.role.value}: chunk_packing must be 'packed', 'single' "
                              "or 'short_first'")
+        if self.step_overhead_tokens < 0:
+            raise ValueError(f"pool {self.role.value}: step_overhead_tokens must be >= 0")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ValueError(f"pool {self.role.value}: kv_blocks must be >= 1")
         if not 0 <= self.step_jitter < 1:
@@ -102,6 +107,9 @@ class LinkSpec:
     # ... and what a yielding copy still has on its way when it pauses,
     # beyond its part of that buffer: its sender's socket buffers (None: 0).
     yield_leak_bytes: float | None = None
+    # ... and what of a transfer a user waits on is still to cross when its
+    # sender lets the yielding copies go again (its socket's buffer; 0: none).
+    tail_release_bytes: float = 0.0
 
     @property
     def bandwidth_bytes_s(self) -> float:

@@ -113,6 +113,16 @@ class TransfersMixin:
         self.flow_handshake[flow_id] = t - msg.started_s
         nb = self._lacking_bytes(req, dst, msg.blocks)     # the receiver's HAVE, as of now
         self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
+        span = self._flow_blocks(req, entry[1], msg.blocks)
+        skipped = max(len(span) - round(nb / self._block_bytes), 0)
+        # The blocks P already held (its cached prefix) go whole, first; a
+        # prompt P still computes crosses layer by layer as P makes it, a
+        # chunk's blocks side by side: they are whole only with the chunk's
+        # last layer. After the prefill, block by block.
+        p_held = max(req.cached_tokens // self.block_size, skipped)
+        p = self.instances.get(req.p_id) if req.p_id else None
+        unit = max(p.token_budget // self.block_size, 1) if req.prefill_done_s is None and p is not None else 1
+        self.flow_span[flow_id] = (span, skipped, p_held, unit)
         cap = None
         if req.prefill_done_s is None and req.kv_made_by_s is not None and nb > 0:
             # Streamed layer by layer while P computes: paced by P, the
@@ -135,7 +145,7 @@ class TransfersMixin:
         (`pdd.policy.wait_for_siblings`)."""
         if dst.cache is None or not self.cfg.enable_drc:
             return []
-        held = dst.cache.match(req.spec.block_ids)
+        held = self._held_blocks(dst, req.spec.block_ids)
         wanted = set(self._flow_blocks(req, "md", blocks)[held:])
         lacking = len(wanted)
         coming, siblings = 0, []
@@ -159,9 +169,48 @@ class TransfersMixin:
     def _lacking_bytes(self, req: SimRequest, dst: SimInstance, blocks: int | None) -> int:
         """KV bytes of the prompt (or of its first `blocks` blocks) `dst` does not hold."""
         if blocks is None:
-            return self._facts(req).missing_kv_bytes(self._matched(dst, req))
-        held = dst.cache.match(req.spec.block_ids[:blocks]) if dst.cache is not None else 0
-        return (blocks - held) * self.block_size * self.model.kv_bytes_per_token
+            held = self._held_blocks(dst, req.spec.block_ids) * self.block_size
+            return self._facts(req).missing_kv_bytes(min(held, req.spec.prompt_tokens))
+        return (blocks - self._held_blocks(dst, req.spec.block_ids[:blocks])) * self._block_bytes
+
+    @property
+    def _block_bytes(self) -> int:
+        return self.block_size * self.model.kv_bytes_per_token
+
+    def _held_blocks(self, dst: SimInstance, ids) -> int:
+        """How many of `ids` (a prompt's chained block ids) `dst` holds now, as
+        its HAVE says: what its cache matches, and the blocks that transfers
+        still crossing into it have landed so far (they travel in order and
+        the receiver holds each block as it lands: a cold turn's system
+        prompt, landed at the head of another's copy, is not sent again
+        while that copy's tail still crosses)."""
+        if dst.cache is None:
+            return 0
+        held = dst.cache.match(ids)
+        for fid, entry in self.flows.items():
+            span = self.flow_span.get(fid)
+            if entry[2] != dst.instance_id or span is None or entry[4] is None:
+                continue
+            blocks, skipped, p_held, unit = span
+            flow = self.links[entry[5]].flows.get(fid)
+            if flow is None:          # all of it has crossed: landing
+                end = len(blocks)
+            else:
+                crossed = int((flow.num_bytes - flow.remaining) // self._block_bytes + 1e-9)
+                end = skipped + crossed
+                paced = flow.background and link_paced(self.links[entry[5]])
+                if end > p_held and not paced:
+                    # Past P's held prefix, streamed as P computed it: written as
+                    # made, the slices queue layer by layer, so a chunk's blocks
+                    # are whole together. A paced copy picks its next slice only
+                    # when the line takes it, by then block by block.
+                    end = p_held + (end - p_held) // unit * unit
+            end = min(end, len(ids))
+            k = held
+            while k < end and blocks[k] == ids[k]:
+                k += 1
+            held = k
+        return held
 
     def _on_transfer_done(self, ev: Event) -> list[Event]:
         name = ev.record.link
@@ -253,6 +302,7 @@ class TransfersMixin:
             if flow_id not in self.flows:
                 return []       # cancelled while its blocks were being imported
             req, kind, dst_id, start, num_bytes, _ = self.flows.pop(flow_id)
+            self.flow_span.pop(flow_id, None)
             self.flow_steps.pop(flow_id, None)
             # As the router: time spent yielding the line to foreground flows is
             # not its speed; one paced by P's prefill bounds the line's from below.
@@ -281,7 +331,7 @@ class TransfersMixin:
         evs: list[Event] = []
         if fid in self.flows:
             name = self.flows.pop(fid)[5]
-            for table in (self.flow_handshake, self.flow_paced, self.flow_paced_since):
+            for table in (self.flow_handshake, self.flow_paced, self.flow_paced_since, self.flow_span):
                 table.pop(fid, None)
             self.flow_steps.pop(fid, None)
             self.flow_shared.discard(fid)
@@ -311,7 +361,7 @@ class TransfersMixin:
         for fid in [f for f, entry in self.flows.items() if entry[5] == name]:
             req, _, dst_id = self.flows.pop(fid)[:3]
             for table in (self.flow_handshake, self.flow_steps, self.flow_yielded, self.flow_paced,
-                          self.flow_paced_since):
+                          self.flow_paced_since, self.flow_span):
                 table.pop(fid, None)
             self.flow_shared.discard(fid)
             nxt = link.cancel(now, fid)
@@ -340,3 +390,8 @@ class TransfersMixin:
         p.unshare(req.p_shared)
         req.p_blocks, req.p_shared = 0, []
         return self._kick(p, now)
+
+
+def link_paced(link) -> bool:
+    """The link's yielding copies are paced (their sender writes them as the line takes them)."""
+    return link.background_pace_bytes_s != float("inf")

@@ -12,9 +12,12 @@
 
 Modules: `state` (poll enum + status), `frames` (sans-I/O codec), `auth`
 (challenge-response), `stream` (frames over asyncio streams, WAIT
-keepalives), `kv_receiver`, `kv_sender`, `connections` (the sender's pooled
-connections), `priority` (who may write to a shared line), `fake_link` (same
-contract in memory, clock passed in).
+keepalives), `kv_receiver`, `kv_sender` (one transfer's protocol and its
+failures), `transfer` (what a caller gives, the blocks' forms, and gets back,
+`TransferHandle`), `line_share` (how one sender's transfers share a named
+line: turns, pacing, a copy that others wait on), `connections` (the sender's
+pooled connections), `priority` (who may write to a shared line),
+`fake_link` (same contract in memory, clock passed in).
 """
 
 from pdd.transport.fake_link import FakeLink, FakeTransfer

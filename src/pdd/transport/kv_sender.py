@@ -9,24 +9,27 @@ Lifecycle of a transfer (TransferHandle.poll() shows it without blocking):
     SUCCESS        the receiver acknowledged END (it holds every block)
     FAILED         deadline, cancel(), refused/reset, auth failure, corrupt frame, receiver error
 
-Connections are pooled per peer (`transport.connections.ConnectionPool`).
+Connections are pooled per peer (`transport.connections.ConnectionPool`);
+how transfers share a named line (turns, pacing) is `transport.line_share`,
+and what a caller gives and gets back (the blocks' forms, TransferHandle) is
+`transport.transfer`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import inspect
 import math
 import time
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, Sequence, Union
+from typing import Awaitable, Callable, Union
 
 from pdd.engine.kv_codec import BLOCK_DIGEST, seal_block
 from pdd.transport import shm
 from pdd.transport.auth import DEFAULT_AUTH_TIMEOUT_S, AuthError, as_secret
 from pdd.transport.connections import MAX_HANDSHAKES_PER_PEER, ConnectFailed, ConnectionPool
-from pdd.transport.priority import SLICE_BYTES, LineGate
+from pdd.transport.line_share import LineShare
+from pdd.transport.priority import SLICE_BYTES
 from pdd.transport.frames import (
     DEFAULT_MAX_FRAME_BYTES, End, Error, FrameError, Have, encode_begin, encode_block, encode_cancel, encode_end,
     encode_part, encode_ref, encode_segment,
@@ -34,60 +37,15 @@ from pdd.transport.frames import (
 from pdd.transport.state import TransferState, TransferStatus
 from pdd.transport.stream import DEFAULT_KEEPALIVE_S, DEFAULT_STALL_TIMEOUT_S, FrameStream
 from pdd.transport.tls import TlsPeer
+from pdd.transport.transfer import BlockSource, PartSource, TransferHandle, into_segment, whole_blocks
 
-BlockSource = Union[Sequence[bytes], Callable[[int], Union[bytes, Awaitable[bytes]]]]
-# Streaming in slices: given the blocks the receiver holds, yields
-# (block index, byte offset, block bytes, slice) for every other block, each
-# block's slices in order from offset 0 (blocks may interleave); None while
-# nothing is ready (P still computing), so a foreground transfer lets the
-# background ones use the line meanwhile.
-PartSource = Callable[[set[int]], AsyncIterator[tuple[int, int, int, bytes]]]
 # (host, port) -> how to reach it over TLS, or None: plain TCP there
 TlsResolver = Callable[[str, int], Union[TlsPeer, None]]
 DEFAULT_DEADLINE_S = 60.0
-# A paced line's bucket: what a background copy may write at once after a
-# pause (four slices: 36 ms at 0.95 of 60 Mbit/s).
-PACE_BURST_BYTES = 4 * SLICE_BYTES
 
 
 class _PeerError(Exception):
     pass
-
-
-class TransferHandle:
-    def __init__(self, status: TransferStatus):
-        self.status = status
-        self.request_id = status.request_id
-        self.task: asyncio.Task | None = None
-        self.cancel_reason: str | None = None
-        self.holds_line: str | None = None     # foreground on this line until its blocks are written
-        self.line: str | None = None
-        self.background = False
-        self.block_bytes = 0                   # a block's payload size, for the backlog (0: unknown)
-        self.segment: shm.OutSegment | None = None   # the same-host path's file, if it took one
-        self.read_into: Callable[[int, memoryview], None] | None = None
-
-    def bytes_left(self) -> int:
-        st = self.status
-        return max(st.num_blocks - st.num_blocks_skipped - st.num_blocks_sent, 0) * self.block_bytes
-
-    def poll(self) -> TransferStatus:
-        return self.status.copy()
-
-    @property
-    def done(self) -> bool:
-        return self.status.done
-
-    async def wait(self) -> TransferStatus:
-        if self.task is not None:
-            await asyncio.shield(self.task)
-        return self.poll()
-
-    def cancel(self, reason: str = "cancelled by caller") -> None:
-        """Stop sending; the receiver gets CANCEL and ends the transfer as failed."""
-        if self.task is not None and not self.task.done() and self.cancel_reason is None:
-            self.cancel_reason = reason
-            self.task.cancel()
 
 
 class KVSender:
@@ -126,16 +84,8 @@ class KVSender:
                                    idle_keep_s=idle_keep_s, max_idle_per_peer=max_idle_per_peer,
                                    max_frame_bytes=max_frame_bytes, max_handshakes_per_peer=max_handshakes_per_peer)
         self._active: set[TransferHandle] = set()
-        self.gate = LineGate(max_yield_s)
-        self.paces = {k: float(v) for k, v in (paces or {}).items() if v and v > 0}
-        self._paced_until: dict[str, float] = {}   # line -> when its next background slice may go
-        # Transfers waiting for HAVE, per receiver, with their block hashes: a
-        # receiver holds HAVE back while another transfer brings it the same
-        # blocks, so a background copy that carries blocks a waiting transfer
-        # needs must not yield meanwhile (priority inheritance).
-        self._awaiting_have: dict[tuple[str, int], list[frozenset]] = {}
-        # Transfers past HAVE, per line: each learns whether it ever shared it.
-        self._on_line: dict[str, dict[int, TransferStatus]] = {}
+        self.lines = LineShare(max_yield_s, paces)   # the lines this sender's transfers share
+        self.gate, self.paces = self.lines.gate, self.lines.paces
 
     def send(self, host: str, port: int, request_id: str, meta: dict, block_hashes: list[bytes],
              get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S, *,
@@ -225,68 +175,12 @@ class KVSender:
                                  f"{self.stall_timeout_s:g} s")
 
     async def _read_have(self, stream: FrameStream, dest: tuple[str, int], hashes: list[bytes]):
-        waiting = self._awaiting_have.setdefault(dest, [])
-        mine = frozenset(hashes)
-        waiting.append(mine)
-        # a copy already queued on the line may carry blocks this one waits for:
-        # it must stop yielding now, not only at its next slice (`_awaited`)
-        self.gate.wake_all()
-        try:
-            return await stream.read_answer(self.stall_timeout_s)
-        except TimeoutError:
-            raise _PeerError(f"no HAVE from {dest[0]}:{dest[1]}: the receiver sent nothing for "
-                             f"{self.stall_timeout_s:g} s") from None
-        finally:
-            waiting.remove(mine)
-            if not waiting:
-                del self._awaiting_have[dest]
-
-    def _awaited(self, dest: tuple[str, int], last_hash: bytes) -> bool:
-        """A transfer to `dest` waits for HAVE and needs this copy's blocks."""
-        return any(last_hash in w for w in self._awaiting_have.get(dest, ()))
-
-    async def _write_frame(self, stream: FrameStream, frame: bytes, line: str | None, background: bool,
-                           status: TransferStatus, dest: tuple[str, int], last_hash: bytes) -> None:
-        """One frame, in one write (so a keepalive WAIT never lands
-        inside it); a background one (a slice of at most SLICE_BYTES) after
-        the foreground transfers on the line are through, in its turn."""
-        held = line is not None and background and not self._awaited(dest, last_hash)
-        pace = self.paces.get(line) if held else None
-        if held:
-            left = status.num_blocks - status.num_blocks_skipped - status.num_blocks_sent + 1
-            urgent = lambda: self._awaited(dest, last_hash)  # noqa: E731
-            while True:
-                status.yielded_s += await self.gate.turn(line, id(status), left, status.started_s, urgent)
-                if pace is None or urgent():
-                    break
-                # the pace's wait holds the turn, so the copies still go one at a
-                # time in the gate's order (waiting outside it, they took turns)
-                wait = self._paced_until.get(line, 0.0) - time.monotonic()
-                if wait <= 0:
-                    break
-                try:
-                    await asyncio.sleep(wait)
-                except BaseException:
-                    self.gate.release(line, id(status))
-                    raise
-                if not self.gate.busy(line):
-                    break
-                self.gate.release(line, id(status))      # a foreground transfer came meanwhile
-        try:
-            if pace is not None:
-                # paced: the line drains faster than this, so nothing of the copy
-                # waits in the buffers ahead of it (`pdd.policy.line_order`). A
-                # token bucket, not a fixed gap after each slice: a sleep that
-                # overran (a busy loop) is made up within PACE_BURST_BYTES, so
-                # the copy keeps its pace on average.
-                now = time.monotonic()
-                due = max(self._paced_until.get(line, 0.0), now - PACE_BURST_BYTES / pace)
-                self._paced_until[line] = due + len(frame) / pace
-            status.bytes_sent += stream.write(frame)
-            await stream.drain()
-        finally:
-            if held:
-                self.gate.release(line, id(status))
+        with self.lines.awaiting_have(dest, hashes):
+            try:
+                return await stream.read_answer(self.stall_timeout_s)
+            except TimeoutError:
+                raise _PeerError(f"no HAVE from {dest[0]}:{dest[1]}: the receiver sent nothing for "
+                                 f"{self.stall_timeout_s:g} s") from None
 
     async def _send_blocks(self, handle: TransferHandle, stream: FrameStream, answer: asyncio.Future,
                            hashes: list[bytes], held: set[int], get_block: Callable, parts: PartSource | None,
@@ -296,7 +190,7 @@ class KVSender:
         transfer holds the line while it has bytes to write, not while its
         source waits for P."""
         status = handle.status
-        source = parts(set(held)) if parts is not None else _whole_blocks(get_block, len(hashes), held)
+        source = parts(set(held)) if parts is not None else whole_blocks(get_block, len(hashes), held)
         digests: dict[int, "hashlib._Hash"] = {}
         missing = len(hashes) - len(held)
         seg = self._segment_for(handle, dest, line, missing)
@@ -306,7 +200,7 @@ class KVSender:
             status.bytes_sent += stream.write(encode_segment(str(seg.path), missing * handle.block_bytes))
             if handle.read_into is not None:
                 await source.aclose()
-                source = _into_segment(handle, seg, len(hashes), held)
+                source = into_segment(handle, seg, len(hashes), held)
         try:
             while not answer.done():
                 t0 = time.monotonic()
@@ -317,13 +211,13 @@ class KVSender:
                 finally:
                     status.waited_s += time.monotonic() - t0
                 if item is None:
-                    self._let_go(handle)
+                    self.lines.let_go(handle)
                     continue
                 # A copy holds the line as a foreground transfer, until it ends or
                 # waits for P, when a transfer a user waits on needs its blocks.
                 if (line is not None and handle.holds_line is None
-                        and (not background or self._awaited(dest, hashes[-1]))):
-                    self._hold(handle, line)
+                        and (not background or self.lines.awaited(dest, hashes[-1]))):
+                    self.lines.hold(handle, line)
                 i, offset, total, data = item
                 # promoted (above): written as a foreground transfer's, unpaced
                 yields = background and handle.holds_line is None
@@ -340,8 +234,8 @@ class KVSender:
                     status.payload_bytes += n
                     if offset + n >= total:
                         status.num_blocks_sent += 1
-                        await self._write_frame(stream, encode_ref(i, hashes[i], base, total), line, yields,
-                                                status, dest, hashes[-1])
+                        await self.lines.write_frame(stream, encode_ref(i, hashes[i], base, total), line,
+                                                     yields, status, dest, hashes[-1])
                     continue
                 # A background copy goes in slices (PART frames), one per turn on the line.
                 step = SLICE_BYTES if line is not None and background else max(len(data), 1)
@@ -362,7 +256,7 @@ class KVSender:
                         frame = encode_part(i, hashes[i], at, total, piece, digest, self.max_frame_bytes)
                     status.num_blocks_sent += last
                     status.payload_bytes += len(piece)
-                    await self._write_frame(stream, frame, line, yields, status, dest, hashes[-1])
+                    await self.lines.write_frame(stream, frame, line, yields, status, dest, hashes[-1])
         finally:
             await source.aclose()
 
@@ -377,9 +271,9 @@ class KVSender:
             if handle.segment is not None:
                 self.segments.give_back(handle.segment, handle.status.ok)
                 handle.segment = None
-            self._let_go(handle)
+            self.lines.let_go(handle)
             if line is not None:
-                self._leave_line(line, handle.status)
+                self.lines.leave(line, handle.status)
 
     def _segment_for(self, handle: TransferHandle, dest: tuple[str, int], line: str | None,
                      num_missing: int) -> shm.OutSegment | None:
@@ -391,33 +285,6 @@ class KVSender:
             return None
         handle.segment = self.segments.take(num_missing * handle.block_bytes)
         return handle.segment
-
-    def _join_line(self, line: str, status: TransferStatus) -> None:
-        members = self._on_line.setdefault(line, {})
-        if members:
-            status.shared_line = True
-            for other in members.values():
-                other.shared_line = True
-        members[id(status)] = status
-
-    def _leave_line(self, line: str, status: TransferStatus) -> None:
-        members = self._on_line.get(line, {})
-        members.pop(id(status), None)
-        if not members:
-            self._on_line.pop(line, None)
-
-    def _hold(self, handle: TransferHandle, line: str) -> None:
-        handle.holds_line = line
-        self.gate.enter(line)
-
-    def _let_go(self, handle: TransferHandle) -> None:
-        # At once, not when its bytes can have crossed at the pace: holding the
-        # line for what the buffers still held of a transfer starved the copies
-        # while transfers a user waits on kept coming (tried in session 16:
-        # tests/test_soak.py then left a request on MD after the load).
-        if handle.holds_line is not None:
-            self.gate.leave(handle.holds_line)
-            handle.holds_line = None
 
     async def _transfer(self, handle: TransferHandle, host: str, port: int, meta: dict, hashes: list[bytes],
                         get_block: Callable, deadline_s: float, line: str | None, background: bool,
@@ -442,13 +309,13 @@ class KVSender:
                 status.num_blocks_skipped = len(have.indices)
                 status.state = TransferState.TRANSFERRING
                 if line is not None:
-                    self._join_line(line, status)
+                    self.lines.join(line, status)
                 if line is not None and not background:
                     # Background transfers on the line wait from now until this
                     # one has written its last block (or ended). Not before HAVE:
                     # the receiver may hold HAVE back until a background copy of
                     # the same blocks has landed, which must not wait for us.
-                    self._hold(handle, line)
+                    self.lines.hold(handle, line)
                 # Read the receiver's answer while sending: a receiver that refuses
                 # mid-transfer (a block failing its seal, a handler error) says why
                 # in an ERROR and closes; stop at once and report that reason, not
@@ -458,7 +325,7 @@ class KVSender:
                 try:
                     await self._send_blocks(handle, stream, answer, hashes, have.indices, get_block, parts,
                                             line, background, (host, port))
-                    self._let_go(handle)
+                    self.lines.let_go(handle)
                     extra = None
                     if finish is not None and not answer.done():
                         t0 = time.monotonic()
@@ -521,28 +388,6 @@ class KVSender:
         status.fail(error, time.monotonic())
         if stream is not None:
             stream.abort()
-
-
-async def _whole_blocks(get_block: Callable, n: int, held: set[int]) -> AsyncIterator[tuple[int, int, int, bytes]]:
-    """The blocks the receiver lacks, whole, in order, from a per-block source."""
-    for i in range(n):
-        if i in held:
-            continue
-        payload = get_block(i)
-        if inspect.isawaitable(payload):
-            payload = await payload
-        yield i, 0, len(payload), payload
-
-
-async def _into_segment(handle: TransferHandle, seg: "shm.OutSegment", n: int,
-                        held: set[int]) -> AsyncIterator[tuple[int, int, int, None]]:
-    """The blocks the receiver lacks, each read straight into its slot of the
-    segment (slot k for the k-th missing block, as `_send_blocks` numbers them)."""
-    bb = handle.block_bytes
-    for k, i in enumerate(j for j in range(n) if j not in held):
-        with seg.slot(k * bb, bb) as out:
-            handle.read_into(i, out)
-        yield i, 0, bb, None
 
 
 async def _late_peer_error(stream: FrameStream) -> str:
