@@ -134,7 +134,7 @@ class Scheduler:
         full = self.cfg.max_num_batched_tokens
         for remaining, _, waiting, _, req in sorted(work, key=lambda w: w[:4]):
             # A step that ends prompts takes no more than they can wait for.
-            if not joins_step(remaining, max(budget, 0), full - budget, completing,
+            if not joins_step(remaining, budget, full - budget, completing,
                               self.cfg.step_overhead_tokens):
                 break
             if not waiting:

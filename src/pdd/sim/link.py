@@ -210,6 +210,11 @@ class Link:
             left_bg -= rates[f.flow_id]
         return rates
 
+    @property
+    def paces_background(self) -> bool:
+        """Its yielding copies are paced: their sender writes them as the line takes them."""
+        return self.background_pace_bytes_s != math.inf
+
     def _released(self, fg: list[Flow]) -> bool:
         """Every foreground flow has at most `tail_release_bytes` left: its
         sender has written its last block (the rest is in its socket's
@@ -294,7 +299,7 @@ class Link:
                 continue
             if f.cap_bytes_s != math.inf and rate >= f.cap_bytes_s * (1 - 1e-9) and not self._behind(f):
                 continue
-            if f.background and self.background_pace_bytes_s != math.inf:
+            if f.background and self.paces_background:
                 continue
             out.append(f)
         return out

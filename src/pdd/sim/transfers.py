@@ -111,10 +111,10 @@ class TransfersMixin:
         entry = self.flows[flow_id]
         req, dst = entry[0], self.instances[entry[2]]
         self.flow_handshake[flow_id] = t - msg.started_s
-        nb = self._lacking_bytes(req, dst, msg.blocks)     # the receiver's HAVE, as of now
-        self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
         span = self._flow_blocks(req, entry[1], msg.blocks)
-        skipped = max(len(span) - round(nb / self._block_bytes), 0)
+        skipped = self._held_blocks(dst, span)              # the receiver's HAVE, as of now
+        nb = self._missing_bytes(req, skipped, msg.blocks)
+        self.flows[flow_id] = entry[:4] + (nb,) + entry[5:]
         # The blocks P already held (its cached prefix) go whole, first; a
         # prompt P still computes crosses layer by layer as P makes it, a
         # chunk's blocks side by side: they are whole only with the chunk's
@@ -166,12 +166,12 @@ class TransfersMixin:
             evs += fn(now)
         return evs
 
-    def _lacking_bytes(self, req: SimRequest, dst: SimInstance, blocks: int | None) -> int:
-        """KV bytes of the prompt (or of its first `blocks` blocks) `dst` does not hold."""
+    def _missing_bytes(self, req: SimRequest, held: int, blocks: int | None) -> int:
+        """KV bytes of the prompt (or of its first `blocks` blocks) a receiver
+        holding its first `held` blocks lacks."""
         if blocks is None:
-            held = self._held_blocks(dst, req.spec.block_ids) * self.block_size
-            return self._facts(req).missing_kv_bytes(min(held, req.spec.prompt_tokens))
-        return (blocks - self._held_blocks(dst, req.spec.block_ids[:blocks])) * self._block_bytes
+            return self._facts(req).missing_kv_bytes(held * self.block_size)
+        return (blocks - held) * self._block_bytes
 
     @property
     def _block_bytes(self) -> int:
@@ -189,7 +189,7 @@ class TransfersMixin:
         held = dst.cache.match(ids)
         for fid, entry in self.flows.items():
             span = self.flow_span.get(fid)
-            if entry[2] != dst.instance_id or span is None or entry[4] is None:
+            if entry[2] != dst.instance_id or span is None:
                 continue
             blocks, skipped, p_held, unit = span
             flow = self.links[entry[5]].flows.get(fid)
@@ -198,7 +198,7 @@ class TransfersMixin:
             else:
                 crossed = int((flow.num_bytes - flow.remaining) // self._block_bytes + 1e-9)
                 end = skipped + crossed
-                paced = flow.background and link_paced(self.links[entry[5]])
+                paced = flow.background and self.links[entry[5]].paces_background
                 if end > p_held and not paced:
                     # Past P's held prefix, streamed as P computed it: written as
                     # made, the slices queue layer by layer, so a chunk's blocks
@@ -288,7 +288,7 @@ class TransfersMixin:
             else:
                 # One import command per block (plus BEGIN), one per step of a
                 # busy receiver; those that ran while bytes flowed are done.
-                blocks = -(-num_bytes // (self.block_size * self.model.kv_bytes_per_token))
+                blocks = -(-num_bytes // self._block_bytes)
                 waits = max(1, int(blocks) + 1 - (dst.num_steps - started))
             dst.wait_boundaries(waits, landed)
             evs += self._kick(dst, now)   # busy: a macro step ends at the next boundary
@@ -390,8 +390,3 @@ class TransfersMixin:
         p.unshare(req.p_shared)
         req.p_blocks, req.p_shared = 0, []
         return self._kick(p, now)
-
-
-def link_paced(link) -> bool:
-    """The link's yielding copies are paced (their sender writes them as the line takes them)."""
-    return link.background_pace_bytes_s != float("inf")
