@@ -70,8 +70,8 @@ def test_a_background_copy_queued_behind_a_foreground_one_longer_than_the_stall_
             sender = KVSender(SECRET, keepalive_s=keepalive_s, stall_timeout_s=STALL_S, seal_blocks=True)
             try:
                 blocks, hashes = make_blocks(3, seed=13, size=(3 * SLICE_BYTES, 3 * SLICE_BYTES + 99))
-                sender.gate.enter("wan")          # a foreground transfer holds the line ...
-                asyncio.get_running_loop().call_later(3 * STALL_S, sender.gate.leave, "wan")   # ... this long
+                sender.lines.gate.enter("wan")          # a foreground transfer holds the line ...
+                asyncio.get_running_loop().call_later(3 * STALL_S, sender.lines.gate.leave, "wan")   # ... this long
                 st = await sender.send("127.0.0.1", receiver.port, "bg", {}, hashes, blocks, deadline_s=10,
                                        line="wan", background=True).wait()
                 if ok:

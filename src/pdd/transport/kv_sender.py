@@ -85,7 +85,6 @@ class KVSender:
                                    max_frame_bytes=max_frame_bytes, max_handshakes_per_peer=max_handshakes_per_peer)
         self._active: set[TransferHandle] = set()
         self.lines = LineShare(max_yield_s, paces)   # the lines this sender's transfers share
-        self.gate, self.paces = self.lines.gate, self.lines.paces
 
     def send(self, host: str, port: int, request_id: str, meta: dict, block_hashes: list[bytes],
              get_block: BlockSource, deadline_s: float = DEFAULT_DEADLINE_S, *,
