@@ -3,7 +3,7 @@ every part that sizes KV knows it), extend equal to step-by-step decoding
 within bf16 rounding, and greedy output close to the fp32 reference.
 
 Tolerances, stated once:
-* extend vs step by step (tiny model, bf16, either decode kernel): the
+* extend vs step by step (tiny model, bf16, each attention kernel): the
   same tokens up to and including the first one sampled after the extend,
   and every KV value within 1/64 of its block's largest magnitude (two bf16
   steps: bf16 keeps 8 significant bits, and one pass over 20 tokens rounds
@@ -16,7 +16,9 @@ Tolerances, stated once:
   they differ from each other about as much) and fp32's top token at >= 90%
   of the positions;
 * against fp32 (SmolLM2, 4 chat prompts, the fp32 answer fed in: teacher
-  forcing, 48 tokens each): bf16's top token equals fp32's at >= 90% of
+  forcing, 48 tokens each; bf16 attended by SDPA as the reference model
+  calls it, and by our kernel through a paged cache as the engine calls it,
+  each on its own): bf16's top token equals fp32's at >= 90% of
   the positions, and where it does not, fp32 itself nearly tied the two:
   its logit for its own pick above its logit for bf16's by at most 1/64
   of its magnitude (two bf16 steps; measured up to 0.0032 on an AMD EPYC
@@ -57,6 +59,17 @@ def tiny_bf16(tiny_model_dir):
     from pdd.model.loader import load_model
 
     return load_model(tiny_model_dir, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def tiny64_bf16(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama whose heads are 64 wide (our bf16 kernel's head size; the
+    tiny model's are 16): 4 query heads over 2 KV heads, 2 layers, SmolLM2's vocabulary."""
+    from pdd.model.loader import load_model, make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny64") / "m", seed=3, hidden_size=256, num_heads=4,
+                           num_kv_heads=2, intermediate_size=256, tokenizer_from=smollm2_dir)
+    return load_model(path, torch.bfloat16)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -132,13 +145,20 @@ def test_engine_refuses_a_model_in_another_dtype(tiny_model):
         Engine(model, cfg, EngineConfig(num_blocks=8, dtype="bfloat16"))
 
 
-@pytest.mark.parametrize("kernel", ["flash", "fp32"])
-def test_bf16_extend_equals_decoding_step_by_step(tiny_bf16, kernel):
-    """Either decode kernel (`[engine] decode_attention`); SDPA's, the one the
-    contiguous reference uses too, gives the reference's tokens exactly."""
-    model, cfg = tiny_bf16
+@pytest.mark.parametrize("kernel", ["flash", "fp32", "native"])
+def test_bf16_extend_equals_decoding_step_by_step(tiny_bf16, tiny64_bf16, kernel):
+    """Each way of attending in bf16: SDPA with either decode kernel (`[engine]
+    decode_attention`), or our kernel for the whole step (`bf16_attention`, on a
+    model with 64-wide heads). SDPA's flash kernel, the one the contiguous
+    reference uses too, gives the reference's tokens exactly."""
+    from pdd.engine import native_attention
+
+    if kernel == "native" and not native_attention.available():
+        pytest.skip(f"bf16 kernel: {native_attention.unavailable_reason()}")
+    model, cfg = tiny64_bf16 if kernel == "native" else tiny_bf16
     p = prompt(5, 40)
-    ecfg = EngineConfig(num_blocks=64, dtype="bfloat16", decode_attention=kernel)
+    ecfg = EngineConfig(num_blocks=64, dtype="bfloat16", bf16_attention="native" if kernel == "native" else "sdpa",
+                        decode_attention="auto" if kernel == "native" else kernel)
     step = EngineRequest("s", p, greedy(30), keep_kv=True)
     e1 = Engine(model, cfg, ecfg)
     assert e1.runner.decode_kernel == kernel
@@ -158,6 +178,43 @@ def test_bf16_extend_equals_decoding_step_by_step(tiny_bf16, kernel):
         assert (a - b).abs().max() <= EXTEND_KV_RTOL * a.abs().max(), f"block {i}"
 
 
+def test_native_steps_match_sdpa_steps(tiny64_bf16):
+    """Our bf16 kernel against SDPA's paths, step by step through the paged cache: a
+    prompt in two chunks (the second reads the first back from the pool) with a short
+    one beside it, then decodes of both; each side its own pool, the same blocks.
+    Logits within BF16_LOGITS_RTOL of the largest, the same top token at >= 90% of
+    positions (what bf16 promises against fp32; here two bf16 paths)."""
+    from pdd.engine import native_attention
+    from pdd.engine.paged_attention import PagedAttention, build_metadata
+
+    if not native_attention.available():
+        pytest.skip(f"bf16 kernel: {native_attention.unavailable_reason()}")
+    model, cfg = tiny64_bf16
+    a, b = prompt(31, 120), prompt(32, 9)
+    blocks_a, blocks_b = [7, 3, 12, 0, 9, 4, 15, 1], [5, 11]
+    steps = [[(0, 48, a, blocks_a)], [(48, 72, a, blocks_a), (0, 9, b, blocks_b)]]
+    for i in range(4):     # the decodes: token ids as any sampler might pick them
+        steps.append([(120 + i, 1, a + prompt(40 + i, 4), blocks_a), (9 + i, 1, b + prompt(50 + i, 4), blocks_b)])
+    pools = {side: torch.zeros(cfg.num_layers, 2, 16 * 16, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+             for side in ("sdpa", "native")}
+    agree = total = 0
+    with torch.inference_mode():
+        for step in steps:
+            ids = [t for s, n, toks, _ in step for t in toks[s : s + n]]
+            pos = [p for s, n, _, _ in step for p in range(s, s + n)]
+            seqs = [(s, n, blocks) for s, n, _, blocks in step]
+            logits = {}
+            for side, kv in pools.items():
+                md = build_metadata(seqs, 16, native=side == "native")
+                hidden = model(torch.tensor(ids), torch.tensor(pos), PagedAttention(kv, md))
+                logits[side] = model.compute_logits(hidden).float()
+            want, got = logits["sdpa"], logits["native"]
+            assert (got - want).abs().max() <= BF16_LOGITS_RTOL * want.abs().max()
+            agree += (got.argmax(-1) == want.argmax(-1)).sum().item()
+            total += len(ids)
+    assert agree / total >= BF16_TOP_AGREEMENT, f"{agree}/{total}"
+
+
 @pytest.mark.slow
 def test_bf16_greedy_agrees_with_fp32_on_smollm2(smollm2, smollm2_dir):
     from pdd.model.loader import load_model
@@ -172,23 +229,45 @@ def test_bf16_greedy_agrees_with_fp32_on_smollm2(smollm2, smollm2_dir):
     # the fp32 answers, one batch (the engine's greedy output is the reference's: test_engine)
     reqs = [EngineRequest(f"q{i}", p, greedy(ANSWER_TOKENS)) for i, p in enumerate(prompts)]
     run(Engine(m32, cfg, EngineConfig(num_blocks=64)), reqs)
-    agree = total = 0
+    from pdd.engine import native_attention
+
+    native = native_attention.available()
+    kernels = ["bf16"] + (["bf16-native"] if native else [])     # SDPA's (the reference attention), ours
+    agree = dict.fromkeys(kernels, 0)
+    total = 0
     for q, ids, r in zip(questions, prompts, reqs):
         want = r.output_token_ids
         with torch.inference_mode():      # teacher forcing: bf16 reads fp32's answer
             seq = ids + want
             logits = {}
-            for name, m in (("fp32", m32), ("bf16", m16)):
-                hidden = m(torch.tensor(seq), torch.arange(len(seq)), ContiguousAttention(m.cfg.num_layers))
-                logits[name] = m.compute_logits(hidden[len(ids) - 1 : -1]).float()
-        top = logits["bf16"].argmax(-1).tolist()
-        for i, (a, b) in enumerate(zip(top, want)):
-            if a != b:       # only a near-tie of fp32's may flip
-                gap = (logits["fp32"][i, b] - logits["fp32"][i, a]).item()
-                assert gap <= NEAR_TIE * abs(logits["fp32"][i, b].item()), (q, i, gap)
-        agree += sum(a == b for a, b in zip(top, want))
+            for name, m, att in (("fp32", m32, ContiguousAttention(m32.cfg.num_layers)),
+                                 ("bf16", m16, ContiguousAttention(m16.cfg.num_layers)),
+                                 ("bf16-native", m16, native and native_paged(m16.cfg, len(seq)))):
+                if att:
+                    hidden = m(torch.tensor(seq), torch.arange(len(seq)), att)
+                    logits[name] = m.compute_logits(hidden[len(ids) - 1 : -1]).float()
+        for side in kernels:
+            top = logits[side].argmax(-1).tolist()
+            for i, (a, b) in enumerate(zip(top, want)):
+                if a != b:       # only a near-tie of fp32's may flip
+                    gap = (logits["fp32"][i, b] - logits["fp32"][i, a]).item()
+                    assert gap <= NEAR_TIE * abs(logits["fp32"][i, b].item()), (side, q, i, gap)
+            agree[side] += sum(a == b for a, b in zip(top, want))
         total += len(want)
-    assert agree / total >= TEACHER_FORCED_AGREEMENT, f"{agree}/{total}"
+    for side in kernels:
+        assert agree[side] / total >= TEACHER_FORCED_AGREEMENT, f"{side}: {agree[side]}/{total}"
+
+
+def native_paged(cfg, n: int):
+    """Attention for one n-token prompt through our bf16 kernel, as the engine calls it:
+    a fresh pool, the prompt's blocks in a shuffled order."""
+    from pdd.engine.paged_attention import PagedAttention, build_metadata
+
+    bs = 16
+    nblk = -(-n // bs)
+    kv = torch.zeros(cfg.num_layers, 2, 2 * nblk * bs, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+    blocks = random.Random(n).sample(range(2 * nblk), nblk)
+    return PagedAttention(kv, build_metadata([(0, n, blocks)], bs, native=True))
 
 
 def test_a_bf16_deployment_sizes_kv_in_bf16(tmp_path):

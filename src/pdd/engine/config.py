@@ -11,6 +11,8 @@ from pdd.policy.step_packing import STEP_OVERHEAD_TOKENS
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # `[engine] decode_attention`: how decodes are attended in bf16 / fp16 (engine/paged_attention.py)
 DECODE_ATTENTION = ("auto", "flash", "fp32")
+# `[engine] bf16_attention`: which kernel attends in bf16 (engine/native_attention.py)
+BF16_ATTENTION = ("auto", "sdpa", "native")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class EngineConfig:
     # how decodes are attended in bf16 / fp16 (engine/paged_attention.py, `decode_kernel`):
     # "flash" (SDPA on the dtype), "fp32" (the context copied to fp32), "auto" (the faster, measured)
     decode_attention: str = "auto"
+    # which kernel attends in bf16 (engine/native_attention.py): "native" (our AVX512-BF16
+    # kernel, every prefill chunk and decode of a step in one call a layer; an error where it
+    # cannot run), "sdpa" (SDPA, decodes as `decode_attention` says), "auto" (native where it runs)
+    bf16_attention: str = "auto"
     # a step's fixed cost in tokens of its per-token cost: how much longer prompt
     # work may join a step that ends short prompts (policy/step_packing.py)
     step_overhead_tokens: int = STEP_OVERHEAD_TOKENS
@@ -47,6 +53,8 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be a positive integer, got {v!r}")
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"engine.decode_attention must be auto, flash or fp32, got {self.decode_attention!r}")
+        if self.bf16_attention not in BF16_ATTENTION:
+            raise ValueError(f"engine.bf16_attention must be auto, sdpa or native, got {self.bf16_attention!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"engine.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if isinstance(self.step_overhead_tokens, bool) or not isinstance(self.step_overhead_tokens, int) \

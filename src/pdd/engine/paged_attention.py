@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from pdd.engine.attention_kernels import (
     Fp32Scratch, _attend_pieces, _attend_pieces_fp32, _attend_pieces_multi, _sdpa_rows, _sdpa_rows_fp32,
 )
+from pdd.engine import native_attention
 from pdd.engine.decode_rows import DecodeRows, RowsPlan
 
 
@@ -100,6 +101,8 @@ class AttentionMetadata:
     # set instead of the block table when the decodes' contexts are kept as rows (decode_rows.py)
     rows: RowsPlan | None = None
     rows_kv: DecodeRows | None = None
+    # set instead of all the above (but slot_mapping): the step for the bf16 kernel
+    native: native_attention.StepPlan | None = None
 
 
 # Padded decode tokens (batch x longest context) from which decodes are
@@ -135,12 +138,18 @@ def split_runs(blocks: list[int], ctx: int, bs: int, min_run: int = DECODE_RUN_M
 def build_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int,
     decode_each_min_tokens: int | None = None, rows: tuple[DecodeRows, RowsPlan] | None = None,
+    native: bool = False,
 ) -> AttentionMetadata:
     """seqs: (start_pos, num_tokens, block_ids) per sequence, in flat order.
     decode_each_min_tokens: None for DECODE_EACH_MIN_TOKENS, read at call time.
     rows: the decodes' contexts as rows (DecodeRows.prepare for the same decodes, in order):
-    no block table is built for them then."""
+    no block table is built for them then.
+    native: the step goes to the bf16 kernel (`native_attention.StepPlan`), nothing else is built."""
     bs = block_size
+    if native:
+        slots = [blocks[p // bs] * bs + p % bs for start, n, blocks in seqs for p in range(start, start + n)]
+        return AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), block_size=bs,
+                                 native=native_attention.StepPlan(seqs, bs))
     slots: list[int] = []
     dec_tok: list[int] = []
     dec_blocks: list[list[int]] = []
@@ -216,6 +225,8 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = self.md
         kv = self.kv_layers[layer]                            # [2, S, KVH, D]
+        if md.native is not None:
+            return self._native(layer, kv, q, k, v)
         if md.rows is not None and md.all_decode:
             pair = kv_pair(k, v)
             if pair is not None:                              # the model's qkv output: K and V in one copy each
@@ -257,6 +268,23 @@ class PagedAttention:
             )
             out[c.start_tok : c.end_tok] = op[0].transpose(0, 1)
         return out
+
+    def _native(self, layer: int, kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """The whole step by the bf16 kernel: this step's K/V into the pool (one copy when
+        they are the model's fused qkv output), then every sequence over its context read
+        in place through its block table and its own tokens (engine/native_attention.py)."""
+        md = self.md
+        pair = kv_pair(k, v)
+        if pair is not None:
+            kv.index_copy_(1, md.slot_mapping, pair)
+        else:
+            kv[0].index_copy_(0, md.slot_mapping, k)
+            kv[1].index_copy_(0, md.slot_mapping, v)
+        if self.progress is not None:
+            self.progress.wrote(layer + 1)
+        out = q.new_empty(q.shape)
+        return native_attention.attend_step(md.native, q, k, v, (kv[0], kv[1]), out)
 
     def _chunk_pieces(self, paged: torch.Tensor, c: PrefillChunk, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:

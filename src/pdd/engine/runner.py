@@ -14,6 +14,7 @@ from pdd.engine.config import EngineConfig
 from pdd.engine.decode_rows import DecodeRows
 from pdd.engine.kv_codec import layers_per_part
 from pdd.engine.attention_kernels import decode_kernel
+from pdd.engine.native_attention import StepPlan, use_kernel
 from pdd.engine.paged_attention import PagedAttention, build_metadata
 from pdd.engine.sampler import sample
 from pdd.engine.scheduler import StepPlan
@@ -65,9 +66,12 @@ class ModelRunner:
             model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype,
         )  # [L, 2, S, KVH, D]
         self.kv_layers = self.kv.unbind(0)   # kv[l] per layer, made once
-        # decodes in bf16 / fp16: SDPA on the dtype or the fp32 kernel, measured once per process
-        self.decode_kernel = decode_kernel(cfg.decode_attention, self.dtype, model_cfg.num_kv_heads,
-                                           model_cfg.head_dim, model_cfg.num_heads // model_cfg.num_kv_heads)
+        # bf16: every sequence of a step attended by our AVX512-BF16 kernel where it runs, else SDPA
+        self.native = use_kernel(cfg.bf16_attention, self.dtype, model_cfg.head_dim, cfg.num_threads)
+        # decodes in bf16 / fp16 otherwise: SDPA on the dtype or the fp32 kernel, measured once per process
+        self.decode_kernel = "native" if self.native else decode_kernel(
+            cfg.decode_attention, self.dtype, model_cfg.num_kv_heads, model_cfg.head_dim,
+            model_cfg.num_heads // model_cfg.num_kv_heads)
         self.num_steps = 0
         self.progress: StepProgress | None = None
         # Called on the engine thread when a step starts (which requests it
@@ -82,9 +86,10 @@ class ModelRunner:
         # (in the engine's dtype under either decode kernel: rows kept in fp32 and attended
         # without a copy decoded 0.89-0.94x as fast as bf16 rows copied to a compact fp32
         # buffer each layer, batch 8-16, 128-token prompts, on the AMD EPYC of docs/DESIGN.md)
+        # (not with the bf16 kernel: it reads every context in place through the block table)
         self.rows: DecodeRows | None = DecodeRows(
             model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, self.dtype, cfg.block_size,
-        ) if cfg.decode_rows else None
+        ) if cfg.decode_rows and not self.native else None
 
     @property
     def block_bytes(self) -> int:
@@ -108,7 +113,7 @@ class ModelRunner:
                 self.rows.clear()
             else:
                 rows = (self.rows, rp)
-        md = build_metadata(seqs, self.cfg.block_size, rows=rows)
+        md = build_metadata(seqs, self.cfg.block_size, rows=rows, native=self.native)
         self.num_steps += 1
         progress = StepProgress(self.num_steps, {s.request.request_id: (s.start, s.start + s.num_tokens)
                                                  for s in plan.seqs}, self.on_progress,
