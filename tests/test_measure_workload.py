@@ -154,10 +154,13 @@ def test_agentic_closed_loop_turns_mark_the_previous_answer():
 def test_a_scaled_preset_keeps_its_shape(seed):
     """`scaled(k)`: every token count x k, the sessions' timetable and the
     hit-rate distribution as they were (the wan-bound preset on this CPU is
-    the Xeon-sized one at 3/8)."""
+    the Xeon-sized one at 1/2 since session 29, 3/8 before: both checked)."""
+    assert agentic.WAN_BOUND == replace(agentic.WAN_BOUND_XEON.scaled(1 / 2), seed=0)
+    half = replace(agentic.WAN_BOUND_XEON, seed=seed).scaled(1 / 2)
+    assert half.initial_context_tokens == (896, 1152) and half.system_prompt_tokens == 128
+    assert half.output_tokens == (8, 32) and half.abnormal_output_tokens == (1, 2)
     big = replace(agentic.WAN_BOUND_XEON, seed=seed)
     small = big.scaled(3 / 8)
-    assert agentic.WAN_BOUND == replace(agentic.WAN_BOUND_XEON.scaled(3 / 8), seed=0)
     assert small.initial_context_tokens == (672, 864) and small.system_prompt_tokens == 96
     assert small.output_tokens == (6, 24) and small.abnormal_output_tokens == (1, 2)
     wb, ws = agentic.generate(big), agentic.generate(small)

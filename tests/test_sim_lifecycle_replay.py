@@ -31,8 +31,9 @@ from test_sim_events import AS_WRITTEN, pdd_as_written   # the example as these 
 
 # 100 requests each, ~1 s: the paths below; "quick+cuts": the WAN cut for
 # 3 s every 20 s (copies fail, DIRECT fails over to RLD, routing sees it down);
-# "wan-bound+slow": the AMD-sized preset on its 18 Mbit/s line, where relays
-# end on RLD with MD's copy still landing (parked), as in the real runs.
+# "wan-bound+slow": the AMD-sized preset on an 18 Mbit/s line (its own is
+# 24), where relays end on RLD with MD's copy still landing (parked), as in
+# the real runs.
 RUNS = ("full", "wan-bound-xeon", "quick+cuts", "wan-bound+slow")
 CUTS = [(t, t + 3.0) for t in (10.0, 30.0, 50.0, 70.0, 90.0, 110.0)]
 SLOW = {**AS_WRITTEN, "links": {"bandwidth_mbps": 18.0}}

@@ -259,7 +259,7 @@ def test_the_copy_pace_is_the_lines_rate_shared_by_its_senders():
     assert copy_pace_bytes_s(None, 1, 0.95) is None          # a line of unknown rate
     with pytest.raises(ValueError):
         PolicyConfig(copy_pace=1.5)
-    # the servers' senders and the simulator read it off the deployment: 18 Mbit/s, one P
+    # the servers' senders and the simulator read it off the deployment: 24 Mbit/s, one P
     examples = Path(__file__).resolve().parents[1] / "examples"
-    assert copy_pace(load_spec(examples / "pdd.toml")) == {"wan": pytest.approx(0.95 * 2.25e6)}
+    assert copy_pace(load_spec(examples / "pdd.toml")) == {"wan": pytest.approx(0.95 * 3.0e6)}
     assert copy_pace(load_spec(examples / "pd-local.toml")) == {}

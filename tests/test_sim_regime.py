@@ -39,11 +39,12 @@ def relay_only_share(records) -> float:
     # and a bf16 P prefills ~1,260 tok/s here (steps.jsonl of the real
     # runs): ~25 s of P's work in 12 s.
     (agentic.WAN_BOUND_XEON, WAN_MBPS, 1.0, 0.25),
-    # The preset at 3/8 (the AMD EPYC's) and its 18 Mbit/s line, on the same
-    # prior profile: as sized, and at twice P's capacity (~12.3K tokens P
-    # lacks within ~4.9 s, ~9.8 s of P's work at the prior's speed).
-    (agentic.WAN_BOUND, 18.0, agentic.WAN_BOUND.session_rate_per_s, agentic.WAN_BOUND.turn_interval_s),
-    (agentic.WAN_BOUND, 18.0, 1.35, 0.19),
+    # The preset at 1/2 (the AMD EPYC's since session 29) and its 24 Mbit/s
+    # line, on the same prior profile: as sized, and at twice P's capacity
+    # (~16.4K tokens P lacks within ~6.6 s, ~13.1 s of P's work at the
+    # prior's speed).
+    (agentic.WAN_BOUND, 24.0, agentic.WAN_BOUND.session_rate_per_s, agentic.WAN_BOUND.turn_interval_s),
+    (agentic.WAN_BOUND, 24.0, 1.0, 0.25),
 ])
 def test_pdd_stays_pdd_in_the_wan_bound_regime_and_at_twice_ps_capacity(preset, wan_mbps, rate, turn_interval_s):
     # Open loop: turns arrive on their timetable whatever the queues.

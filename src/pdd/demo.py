@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
         messages = [{"role": "system", "content": "You are a concise site-reliability assistant."},
                     {"role": "user", "content": DOCUMENT + "\nSummarise the incident in two sentences."}]
         print("\n== turn 1: a long new document (low prefix hit: P -> RLD streams while the KV crosses the WAN)")
-        # Long enough to outlast the copy to MD: at the example line (18 Mbit/s) this
-        # prompt's ~17 MB of KV takes ~8 s to cross, RLD decodes ~30 tokens/s.
+        # Long enough to outlast the copy to MD: at the example line (24 Mbit/s) this
+        # prompt's ~17 MB of KV takes ~6 s to cross, RLD decodes ~30 tokens/s.
         answer = _turn(client, model, dep.router_url, messages, 384)
         messages += [{"role": "assistant", "content": answer},
                      {"role": "user", "content": "What one change would prevent it?"}]

@@ -109,9 +109,20 @@ class PddBackend:
         self.ours = Ours(model, mcfg, a.block_size, a.num_blocks, a.max_num_batched_tokens, a.max_num_seqs,
                          a.threads)
         self.ours.ecfg = dataclasses.replace(self.ours.ecfg, dtype=a.dtype)
-        self.note = ""
+        notes = []
         if getattr(self.ours.ecfg, "huge_pages", False):   # as `pdd serve` does at start-up, not inside a timing
-            self.note = model.weights_on_huge_pages().line()
+            notes.append(model.weights_on_huge_pages().line())
+        if a.dtype != "float32":
+            try:                               # which attention the engine takes (a baseline checkout may predate it)
+                from pdd.engine.native_attention import unavailable_reason, use_kernel
+
+                setting = getattr(self.ours.ecfg, "bf16_attention", "sdpa")
+                native = use_kernel(setting, dtype, mcfg.head_dim, a.threads)
+                notes.append("attention: our bf16 kernel" if native else
+                             f"attention: SDPA ({unavailable_reason() or 'bf16_attention = ' + setting})")
+            except ImportError:
+                notes.append("attention: SDPA")
+        self.note = "; ".join(notes)
 
     def prefill(self, prompt: list[int]) -> dict:
         wall, cpu, _ = self.ours.prefill(prompt)
