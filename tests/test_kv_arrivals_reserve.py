@@ -116,3 +116,53 @@ def test_a_follow_up_waits_for_a_sibling_copy_however_long_it_queues(tiny_model)
             loop.stop()
 
     asyncio.run(go())
+
+
+def test_waiters_on_a_copy_that_ends_early_do_not_all_send_the_rest(tiny_model):
+    # Two follow-ups wait on the first turn's copy; it fails with two blocks
+    # landed. The first follow-up to look again begins and brings the rest;
+    # the second now waits on it and then lacks nothing of the shared part
+    # (results/overload-s29: eleven turns each sent the same 20 blocks).
+    first = prompt(21, 120)
+    manifest, blocks = exported(tiny_model, first)
+    f1, f1_blocks = exported(tiny_model, first + prompt(22, 40))
+    f2, _ = exported(tiny_model, first + prompt(22, 40) + prompt(23, 40))
+    hashes, h1, h2 = list(manifest.block_hashes), list(f1.block_hashes), list(f2.block_hashes)
+    assert h2[:len(h1)] == h1 and h1[:len(hashes)] == hashes
+    engine = make_engine(tiny_model)
+
+    async def go():
+        arrivals = KVArrivals(SPEC, engine, PolicyConfig(), InstanceMetrics("md0", "main"))
+        loop = arrivals.loop = EngineLoop(engine, asyncio.get_running_loop())
+        loop.start()
+        meta = lambda m: m.to_meta() | {"block_digest": BLOCK_DIGEST}
+        try:
+            assert await arrivals.on_begin("t0", meta(manifest), hashes) == set()
+            w1 = asyncio.ensure_future(arrivals.on_begin("t1", meta(f1), h1))
+            w2 = asyncio.ensure_future(arrivals.on_begin("t2", meta(f2), h2))
+            await asyncio.sleep(0.2)
+            assert not w1.done() and not w2.done()             # both wait for t0's copy
+            for i in range(2):
+                await arrivals.on_block("t0", i, hashes[i], seal_block(blocks[i]))
+            status = TransferStatus("t0", num_blocks=len(hashes))
+            status.fail("cancelled", time.monotonic())
+            await arrivals.on_end("t0", status)
+            held1 = await asyncio.wait_for(w1, 5)               # the first to look again begins
+            assert held1 == {0, 1}
+            await asyncio.sleep(0.2)
+            assert not w2.done()                                # the second now waits on t1's copy
+            for i in range(len(h1)):
+                if i not in held1:
+                    await arrivals.on_block("t1", i, h1[i], seal_block(f1_blocks[i]))
+            status = TransferStatus("t1", num_blocks=len(h1))
+            status.succeed(time.monotonic())
+            await arrivals.on_end("t1", status)
+            held2 = await asyncio.wait_for(w2, 5)
+            assert held2 == set(range(len(h1)))                 # only its own new blocks still to cross
+            for rid in ("t0", "t1", "t2"):
+                arrivals.drop(rid)
+            await settle(loop)
+        finally:
+            loop.stop()
+
+    asyncio.run(go())

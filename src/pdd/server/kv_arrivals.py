@@ -134,14 +134,25 @@ class KVArrivals:
         on itself (results/overload-13). The simulator waits the same way."""
         if not self.kv_reuse:
             return
-        lacking = {h for h in hashes if not self.engine.pool.holds(h)}
-        coming, siblings = self._siblings_bringing(request_id, lacking)
-        if not siblings or not wait_for_siblings(len(lacking), coming, self.policy):
-            return
-        waits = [asyncio.ensure_future(b.ended.wait()) for b in siblings]
-        done, pending = await asyncio.wait(waits, timeout=self.spec.request_timeout_s)
-        for w in pending:
-            w.cancel()
+        # Looked at again after every wake-up: a sibling may end with part of
+        # its blocks landed (failed, cancelled), and then the transfers that
+        # waited on it all lack the same rest; the first to look again begins
+        # (its blocks now on their way) and the others wait on it, instead of
+        # each sending the rest (results/overload-s29: eleven turns of one
+        # conversation sent the same 20 blocks). The simulator does the same.
+        deadline = time.monotonic() + self.spec.request_timeout_s
+        while True:
+            lacking = {h for h in hashes if not self.engine.pool.holds(h)}
+            coming, siblings = self._siblings_bringing(request_id, lacking)
+            left = deadline - time.monotonic()
+            if not siblings or not wait_for_siblings(len(lacking), coming, self.policy) or left <= 0:
+                return
+            waits = [asyncio.ensure_future(b.ended.wait()) for b in siblings]
+            done, pending = await asyncio.wait(waits, timeout=left)
+            for w in pending:
+                w.cancel()
+            if pending:
+                return
 
     # -- the receiver's handler --------------------------------------------------------
     async def on_begin(self, request_id: str, meta: dict, block_hashes: list[bytes]) -> set[int]:

@@ -87,12 +87,17 @@ class TransfersMixin:
                 nxt = link.promote(t, sib) if sib in link.flows else None
                 if nxt:
                     promoted.append(Event(nxt[0], TransferDone(msg.link, nxt[1])))
-            # As the receiver: HAVE only once those transfers have ended.
+            # As the receiver: HAVE only once those transfers have ended, and
+            # then look again, as the servers' receiver does (one that ended
+            # early leaves its waiters lacking the same rest: the first to
+            # look again brings it, the others wait on that one).
             left = [len(siblings)]
 
             def one_ended(t2: float) -> list[Event]:
                 left[0] -= 1
-                return back(t2) if left[0] == 0 and flow_id in self.flows else []
+                if left[0] or flow_id not in self.flows:
+                    return []
+                return self._on_begin_arrives(Event(t2, msg))
             for sib in siblings:
                 self.flow_waiters.setdefault(sib, []).append(one_ended)
             return promoted
