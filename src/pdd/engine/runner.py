@@ -14,7 +14,7 @@ from pdd.engine.config import EngineConfig
 from pdd.engine.decode_rows import DecodeRows
 from pdd.engine.kv_codec import layers_per_part
 from pdd.engine.attention_kernels import decode_kernel
-from pdd.engine.native_attention import StepPlan, use_kernel
+from pdd.engine.native_attention import use_kernel
 from pdd.engine.paged_attention import PagedAttention, build_metadata
 from pdd.engine.sampler import sample
 from pdd.engine.scheduler import StepPlan
