@@ -76,6 +76,16 @@ class World:
     def rld_view(self) -> InstanceView:
         return InstanceView("r0", Role.RELAY, "dc", 0, 0, 8, 1000, 1000, 0.05)
 
+    md_step_s = 0.05           # MD's decode step as its kv_ready reports it (below RLD's: an overlap handoff)
+    md_wrong_from: int | None = None    # MD makes other tokens than the reference from this index on
+
+    def md_view(self) -> InstanceView:
+        return InstanceView("m0", Role.MAIN, "dc", 0, 0, 8, 1000, 1000, self.md_step_s)
+
+    def tok(self, leg: Leg, i: int) -> int:
+        wrong = leg is Leg.MD and self.md_wrong_from is not None and i >= self.md_wrong_from
+        return ref(i) + 1 if wrong else ref(i)
+
     def end_reason(self) -> EndReason:
         return EndReason.STOP if self.eos else EndReason.LENGTH
 
@@ -189,7 +199,7 @@ class World:
             self.fact(PrefillEnded(t))
         elif kind == "kv_ready":
             self.streams[arg].kv_ready_sent = True
-            self.fact(KvReady(t, self.rld_view()))
+            self.fact(KvReady(t, self.rld_view(), md=self.md_view()))
         elif kind == "extended":
             self.fact(Extended(t, self.streams[arg].extends.pop(0)))
         elif kind == "token" and self.bulk is not None:
@@ -198,11 +208,12 @@ class World:
             limit = self.num_out if s.pause_limit is None else min(self.num_out, s.pause_limit)
             first = s.pos
             s.pos = first + max(1, min(self.bulk(4), limit - first))
-            self.fact(DecodeTokens(t, arg, first, tuple(ref(i) for i in range(first, s.pos)), self.rld_view()))
+            self.fact(DecodeTokens(t, arg, first, tuple(self.tok(arg, i) for i in range(first, s.pos)),
+                                   self.rld_view()))
         elif kind == "token":
             s = self.streams[arg]
             s.pos += 1
-            self.fact(DecodeToken(t, arg, s.pos - 1, ref(s.pos - 1), self.rld_view()))
+            self.fact(DecodeToken(t, arg, s.pos - 1, self.tok(arg, s.pos - 1), self.rld_view()))
         elif kind == "end":
             self.streams[arg].ended = True
             self.fact(DecodeEnded(t, arg, self.end_reason(), healthy=self.views()))

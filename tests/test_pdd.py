@@ -230,7 +230,7 @@ def test_filtered_calls_sharing_a_hot_prefix_warm_md(auto, reference, smollm2_di
     assert tr["wan_bytes"] == 2 * 16 * KV_BYTES_PER_TOKEN
 
 
-@pytest.mark.parametrize("mode", ["catch_up", "one_shot"])
+@pytest.mark.parametrize("mode", ["catch_up", "one_shot", "overlap"])
 def test_forced_handoff_modes_concurrent(mode, tmp_path_factory, smollm2_dir, reference):
     tok = Tokenizer(smollm2_dir)
     policy = {"handoff_mode": mode, "catchup_threshold_tokens": 8, "catchup_final_max_tokens": 2,
@@ -250,6 +250,16 @@ def test_forced_handoff_modes_concurrent(mode, tmp_path_factory, smollm2_dir, re
         assert tr["token_sources"][-1] == "md", timeline(tr)
         if mode == "one_shot":
             assert tr["handoff_batches"] == 1
+        elif mode == "overlap":
+            # One final batch, RLD not paused: RLD's tokens, then MD's, each index once.
+            src = tr["token_sources"]
+            assert tr["handoff_batches"] == 1, timeline(tr)
+            # Two requests share this machine's cores: MD need not be faster
+            # than RLD here, so RLD may pause only as the overlap's lag bound does.
+            log = event(tr, "lifecycle")["log"]
+            assert "pause_at:rld" not in log and ("pause:rld" not in log or "note:overlap_pause" in log), log
+            k = src.index("md")
+            assert set(src[:k]) <= {"p", "rld"} and set(src[k:]) == {"md"}, timeline(tr)
         elif tr["rld_tokens"] > 2 + 1:
             # more than catchup_final_max_tokens when MD got ready (the final
             # batch also carries the RLD token it waited for): a catch-up batch first

@@ -215,6 +215,124 @@ def test_relay_catch_up_handoff_sends_batches_until_the_gap_is_small():
     assert out[-1].outcome is Outcome.RELAY
 
 
+def md_view(step_s):
+    return InstanceView("m0", Role.MAIN, "b", 1, 0, 8, 1000, 1000, step_s)
+
+
+def overlapping(max_tokens=40, cfg=None, eager=6):
+    """A relay whose MD decodes at a quarter of RLD's step (0.0125 against
+    0.05 s): MD ready after `eager` of RLD's tokens."""
+    lc, _ = started(RELAY, max_tokens=max_tokens, cfg=cfg or PolicyConfig())
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, eager)
+    lc.handle(TransferEnded(1.5, "m0", True))
+    return lc, lc.handle(KvReady(1.6, rld_view(), md=md_view(0.0125)))
+
+
+def test_overlap_handoff_keeps_rld_streaming_until_md_overtakes_it():
+    """MD decodes clearly faster than RLD: the final batch goes at once and
+    does not pause RLD; MD's first token of its own waits for RLD's of the
+    same index (the switch then lands right after one of RLD's tokens, not a
+    round trip and an extend after one), and MD's next token takes over."""
+    lc, out = overlapping()
+    assert lc.session.mode.value == "overlap"
+    assert of(out, ExtendMd) == [ExtendMd("m0", tuple(ref(i) for i in range(1, 6)), True)]
+    assert of(out, PauseRld) == [] and lc.stop_at is None and lc.overlap_from == 6
+    assert emitted(md_tokens(lc, 6, 7)) == []                 # ahead by one: waits for RLD's 6
+    assert emitted(rld_tokens(lc, 6, 7)) == [(6, ref(6), Leg.RLD)]
+    out = md_tokens(lc, 7, 8)                                  # MD has index 7 first: it takes over
+    assert emitted(out) == [(7, ref(7), Leg.MD)]
+    assert Abort(Leg.RLD, "r0", background=True) in out and lc.owner is Leg.MD and lc.stop_at == 7
+    assert emitted(rld_tokens(lc, 7, 9)) == []                 # RLD's late copies go nowhere
+    out = md_tokens(lc, 8, 40) + lc.handle(DecodeEnded(3.0, Leg.MD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(40)] and out[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH)
+    assert lc.rld_emitted == 7 and lc.session.state is HandoffState.DONE
+
+
+def test_overlap_switch_right_after_rlds_token_when_md_is_ahead():
+    """MD's tokens already past RLD's when RLD's next one comes: the user
+    gets RLD's and, right behind it, MD's (nothing waits)."""
+    lc, _ = overlapping(cfg=PolicyConfig(overlap_max_ahead=3))
+    assert emitted(md_tokens(lc, 6, 8)) == []                  # two ahead: RLD's 6 is due
+    out = rld_tokens(lc, 6, 7)
+    assert emitted(out) == [(6, ref(6), Leg.RLD), (7, ref(7), Leg.MD)]
+    # MD as far ahead as overlap_max_ahead: RLD is late; MD takes over alone.
+    lc, _ = overlapping(cfg=PolicyConfig(overlap_max_ahead=3))
+    assert emitted(md_tokens(lc, 6, 9)) == [(i, ref(i), Leg.MD) for i in range(6, 9)]
+
+
+def test_overlap_handoff_left_to_rld_when_md_disagrees():
+    """MD's token differs from the user's at an index both made (a decode in
+    another batch): MD's continuation is not the user's. MD's request goes
+    (its KV kept for its prefix cache) and RLD ends the request."""
+    lc, _ = overlapping()
+    rld_tokens(lc, 6, 8)
+    out = lc.handle(DecodeToken(2.0, Leg.MD, 6, ref(6) + 1))
+    assert Abort(Leg.MD, "m0", keep_kv=True) in out and lc.session.state is HandoffState.RLD_FINISHES
+    assert any(isinstance(c, Note) and c.event == "overlap_diverged" and c.fields["index"] == 6 for c in out)
+    out = rld_tokens(lc, 8, 40) + lc.handle(DecodeEnded(3.0, Leg.RLD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(40)] and out[-1].reason is FinishReason.LENGTH
+    # ... also when MD's differing token came first and waited for RLD's.
+    lc, _ = overlapping()
+    lc.handle(DecodeToken(2.0, Leg.MD, 6, ref(6) + 1))
+    out = rld_tokens(lc, 6, 7)
+    assert emitted(out) == [(6, ref(6), Leg.RLD)] and Abort(Leg.MD, "m0", keep_kv=True) in out
+    # A token of MD's own past the user's is MD's answer, whatever RLD would
+    # have made there: MD made it from the tokens the user has.
+    lc, _ = overlapping()
+    md_tokens(lc, 6, 7)
+    lc.handle(DecodeToken(2.0, Leg.MD, 7, ref(7) + 1))
+    assert emitted(rld_tokens(lc, 6, 7)) == [(6, ref(6), Leg.RLD), (7, ref(7) + 1, Leg.MD)]
+
+
+def test_overlap_pauses_rld_when_md_does_not_catch_up():
+    """RLD made `overlap_max_lag` tokens past the final batch and MD has not
+    overtaken it: RLD pauses and MD's own tokens catch up (the paused
+    handoff's stall); RLD's tokens past the pause are held back."""
+    lc, _ = overlapping(cfg=PolicyConfig(overlap_max_lag=3))
+    out = rld_tokens(lc, 6, 9)
+    assert of(out, PauseRld) == [PauseRld("r0")] and lc.stop_at == 9
+    assert emitted(rld_tokens(lc, 9, 10)) == []
+    assert emitted(md_tokens(lc, 6, 9)) == []
+    assert emitted(md_tokens(lc, 9, 11)) == [(9, ref(9), Leg.MD), (10, ref(10), Leg.MD)]
+
+
+def test_overlap_rld_lost_md_takes_the_stream_as_it_comes():
+    lc, _ = overlapping()
+    rld_tokens(lc, 6, 8)
+    out = lc.handle(PeerGone(2.0, Leg.RLD, "silent", healthy("m0")))
+    assert of(out, ExtendMd) == [] and lc.owner is Leg.MD and Abort(Leg.RLD, "r0") in out
+    out = md_tokens(lc, 6, 40) + lc.handle(DecodeEnded(3.0, Leg.MD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(40)] and out[-1].reason is FinishReason.LENGTH
+
+
+def test_overlap_md_ending_on_a_token_the_user_has_ends_the_request():
+    lc, _ = overlapping(max_tokens=9, cfg=PolicyConfig(catchup_final_max_tokens=1))
+    rld_tokens(lc, 6, 9)
+    out = md_tokens(lc, 6, 9) + lc.handle(DecodeEnded(2.0, Leg.MD, EndReason.LENGTH))
+    assert out[-1].reason is FinishReason.LENGTH and lc.tokens == [ref(i) for i in range(9)]
+    assert Abort(Leg.RLD, "r0") in out
+
+
+@pytest.mark.parametrize("md_step, overlap", [(0.0125, True), (0.033, True), (0.04, False), (None, False)])
+def test_overlap_only_where_md_decodes_clearly_faster(md_step, overlap):
+    """`overlap_max_step_ratio` (0.67) of RLD's 0.05 s step; unmeasured MD: the paused handoff."""
+    lc, _ = started(RELAY, max_tokens=40, cfg=PolicyConfig())
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 6)
+    out = lc.handle(KvReady(1.6, rld_view(), md=md_view(md_step)))
+    assert (lc.session.mode.value == "overlap") is overlap
+    assert (of(out, PauseRld) == []) is overlap
+    lc, _ = started(RELAY, max_tokens=40, cfg=PolicyConfig(overlap_max_step_ratio=0.0))
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    rld_tokens(lc, 0, 6)
+    lc.handle(KvReady(1.6, rld_view(), md=md_view(0.001)))
+    assert lc.session.mode.value != "overlap"
+
+
 def test_filtered_request_is_rld_only_and_warms_md_with_its_shared_prefix():
     lc, cmds = started(FILTERED, warm_blocks=4)
     assert of(cmds, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False)]

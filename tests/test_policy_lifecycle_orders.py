@@ -25,12 +25,23 @@ SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[Heal
 def world(data, faults: int, bulk: bool = False) -> World:
     """bulk: decoders emit 1-4 tokens per event (`DecodeTokens`, as the simulator's steps)."""
     name = data.draw(st.sampled_from(sorted(DECISIONS)), label="pipeline")
-    mode = data.draw(st.sampled_from(["auto", "one_shot", "catch_up"]), label="handoff")
+    mode = data.draw(st.sampled_from(["auto", "one_shot", "catch_up", "overlap"]), label="handoff")
     max_tokens = data.draw(st.integers(1, 24), label="max_tokens")
     num_out = data.draw(st.integers(1, 24), label="num_out")
     warm = data.draw(st.sampled_from([0, 2]), label="warm_blocks") if name == "filtered" else 0
-    cfg = PolicyConfig(handoff_mode=mode, catchup_threshold_tokens=2, catchup_final_max_tokens=1)
+    cfg = PolicyConfig(handoff_mode="auto" if mode == "overlap" else mode, catchup_threshold_tokens=2,
+                       catchup_final_max_tokens=1, overlap_max_ahead=data.draw(st.integers(1, 3), label="ahead"),
+                       overlap_max_lag=data.draw(st.integers(1, 6), label="lag"))
     w = World(DECISIONS[name], num_out, max_tokens, cfg, warm_blocks=warm)
+    if mode == "overlap":
+        # MD decodes at a fifth of RLD's step: the final batch does not pause
+        # RLD. Without faults, a relayed request's MD may make other tokens
+        # from some index on (numerics of a different batch): the user must
+        # still get the reference stream. (With RLD lost, MD's tokens past the
+        # user's are the answer: nothing is left to check them against.)
+        w.md_step_s = 0.01
+        if not faults and name.startswith("relay"):
+            w.md_wrong_from = data.draw(st.sampled_from([None, None, 1, 3, 6]), label="md wrong from")
     w.extra_after_pause = data.draw(st.integers(0, 3), label="tokens past a pause")
     if bulk:
         w.bulk = lambda n: data.draw(st.integers(1, n), label="bulk")
@@ -46,8 +57,23 @@ def test_any_order_without_faults_streams_exactly_the_reference(data):
 
 def check_without_faults(w: World) -> None:
     assert w.finish.reason in (FinishReason.STOP, FinishReason.LENGTH), w.finish
-    assert w.user == [ref(i) for i in range(w.num_out)]
+    assert w.user == expected_stream(w)
     assert not w.used_deadline
+
+
+def expected_stream(w: World) -> list[int]:
+    """The reference, or where MD makes other tokens (`md_wrong_from`): the
+    reference up to MD's first token shown, MD's own tokens from there. MD's
+    tokens are a valid answer only if MD never ran past a token the user saw
+    otherwise: everything it made (from the final batch's end) before its
+    first one shown agrees."""
+    from pdd.policy.lifecycle_io import Emit, Leg
+    md_first = next((c.index for c in w.log if isinstance(c, Emit) and c.source is Leg.MD), None)
+    if w.md_wrong_from is None or md_first is None:
+        return [ref(i) for i in range(w.num_out)]
+    made_from = w.lc.overlap_from if w.lc.overlap_from is not None else md_first
+    assert md_first <= max(w.md_wrong_from, made_from), "the user was shown MD's tokens after MD had diverged"
+    return [ref(i) for i in range(md_first)] + [w.tok(Leg.MD, i) for i in range(md_first, w.num_out)]
 
 
 @SETTINGS

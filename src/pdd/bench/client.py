@@ -200,10 +200,13 @@ def build_record(req: WorkloadRequest, arrival_s: float, end_s: float, st: _Stre
     failed = st.error is not None
     gap, k = facts["handoff_gap_s"], int(facts["rld_tokens"] or 0)
     if gap is not None and 0 < k < len(times):
-        # RLD's tokens come first, then MD's: the stall at the switch as the
-        # client saw it, on either side of RLD's last token (a delay in the
-        # router shows before it, the extend after it).
-        gap = max(times[j] - times[j - 1] for j in range(max(k - 1, 1), k + 1))
+        # RLD's tokens come first, then MD's: the switch's gap as the client
+        # saw it, from RLD's last token to MD's first, as the simulator counts
+        # it. (Until session 30 the gap before RLD's last token counted too,
+        # for a router that delayed it; the router now sends a token before
+        # the calls it triggers, and that gap was RLD's own pace: ~4x the
+        # median where RLD shares P's core.)
+        gap = times[k] - times[k - 1]
     return RequestRecord(
         request_id=req.request_id,
         arrival_s=arrival_s,

@@ -15,6 +15,7 @@ class HandoffOverride(Enum):
     AUTO = "auto"            # choose per handoff from RLD's live load
     ONE_SHOT = "one_shot"
     CATCH_UP = "catch_up"
+    OVERLAP = "overlap"      # RLD not paused; MD takes over once its tokens pass RLD's
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,19 @@ class PolicyConfig:
     handoff_on_rld_token: bool = True
     catchup_max_batches: int = 4      # non-final batches before forcing the final one
     rld_busy_fraction: float = 0.75
+    # Overlap handoff (`pdd.policy.handoff`, HandoffMode.OVERLAP): when MD's
+    # decode step is at most this fraction of RLD's (both as last reported),
+    # the final batch goes with no pause: RLD keeps streaming while MD
+    # extends, and the user's stream moves to MD once MD's tokens overtake
+    # RLD's. 0 turns it off (the paused handoff only).
+    overlap_max_step_ratio: float = 0.67
+    # MD's first token of its own waits for RLD's token of the same index (so
+    # the switch lands just after one of RLD's tokens, not a round trip and
+    # an extend after one), unless MD is this many tokens ahead: RLD is late.
+    overlap_max_ahead: int = 3
+    # MD still behind after RLD made this many tokens past the final batch:
+    # RLD pauses and MD's own tokens catch up (the paused handoff's stall).
+    overlap_max_lag: int = 8
 
     def __post_init__(self) -> None:
         if isinstance(self.handoff_mode, str):
@@ -182,6 +196,10 @@ class PolicyConfig:
             raise ValueError("catchup_max_batches must be >= 1")
         if not 0.0 < self.rld_busy_fraction <= 1.0:
             raise ValueError("rld_busy_fraction must be in (0, 1]")
+        if not 0.0 <= self.overlap_max_step_ratio <= 1.0:
+            raise ValueError("overlap_max_step_ratio must be in [0, 1]")
+        if self.overlap_max_ahead < 1 or self.overlap_max_lag < 1:
+            raise ValueError("overlap_max_ahead and overlap_max_lag must be >= 1")
 
     @classmethod
     def from_dict(cls, d: dict) -> "PolicyConfig":

@@ -16,6 +16,9 @@ Lifecycle of one `HandoffSession` (one per relayed request)::
     (a final batch that would leave MD <= catchup_final_max_tokens of the
      output bound) --> RLD_FINISHES --on_rld_finished--> ENDED_ON_RLD
     (any live state) --on_failed--> FAILED
+    OVERLAP: AWAITING_MD --on_md_ready--> FINAL_IN_FLIGHT (RLD not paused)
+         --on_overlap_switch--> DONE | --on_overlap_diverged--> RLD_FINISHES
+         | --on_rld_finished--> ENDED_ON_RLD
 
 Actions returned to the data plane:
 
@@ -33,6 +36,12 @@ With `handoff_on_rld_token`, a final batch is *armed* instead
 (ARMED --on_rld_token--> FINAL_IN_FLIGHT): it goes out with RLD's next
 token, so RLD pauses right after emitting one and the user's stall is MD's
 extend, not also the time since RLD's last token.
+Overlap (MD decodes clearly faster than RLD): one final batch of everything
+at `on_md_ready`, and RLD is *not* paused: it keeps streaming while MD
+extends and then decodes on its own. The lifecycle compares MD's tokens with
+the user's and moves the stream to MD once MD's tokens overtake RLD's
+(`on_overlap_switch`); RLD's tokens were the user's until then, so the
+handoff adds no stall of its own (`lifecycle_handoff.py`).
 Catch-up: a non-final batch of what RLD has so far while RLD keeps decoding;
 then, after each extend, the tokens generated meanwhile, until the gap is at
 most `catchup_final_max_tokens` (or `catchup_max_batches` non-final batches
@@ -55,6 +64,7 @@ from pdd.policy.views import InstanceView
 class HandoffMode(Enum):
     ONE_SHOT = "one_shot"
     CATCH_UP = "catch_up"
+    OVERLAP = "overlap"
 
 
 class HandoffState(Enum):
@@ -101,11 +111,27 @@ class Abandon:
 HandoffAction = SendBatch | Complete | Abandon
 
 
-def choose_handoff_mode(num_eager_tokens: int, rld: InstanceView, cfg: PolicyConfig) -> HandoffMode:
-    """Catch-up for many eager tokens while RLD has room; one-shot otherwise.
+def md_overtakes(rld: InstanceView, md: InstanceView | None, cfg: PolicyConfig) -> bool:
+    """MD's decode step is at most `overlap_max_step_ratio` of RLD's, both
+    measured: MD's tokens overtake RLD's within a few of RLD's after a final
+    batch that does not pause RLD. With MD at half RLD's step, MD gains half
+    an RLD step a token and makes up its round trip and extend (~1-1.5 RLD
+    steps here) in 2-3 tokens; a slower MD would never catch up and RLD would
+    decode the whole answer beside it."""
+    if md is None or cfg.overlap_max_step_ratio <= 0:
+        return False
+    t_rld, t_md = rld.step_time_s, md.step_time_s
+    return bool(t_rld and t_md and t_rld > 0 and 0 < t_md <= cfg.overlap_max_step_ratio * t_rld)
+
+
+def choose_handoff_mode(num_eager_tokens: int, rld: InstanceView, cfg: PolicyConfig,
+                        md: InstanceView | None = None) -> HandoffMode:
+    """Overlap where MD overtakes RLD (`md_overtakes`); else catch-up for many
+    eager tokens while RLD has room, one-shot otherwise.
 
     A busy RLD wants its slot back now (one-shot); an idle one can afford to
-    keep decoding so that MD's stalls stay small (catch-up).
+    keep decoding so that MD's stalls stay small (catch-up). Overlap keeps RLD
+    decoding only until MD's tokens pass its own (a few of RLD's steps).
     """
     if num_eager_tokens < 0:
         raise ValueError("num_eager_tokens must be >= 0")
@@ -113,6 +139,8 @@ def choose_handoff_mode(num_eager_tokens: int, rld: InstanceView, cfg: PolicyCon
         return HandoffMode.ONE_SHOT
     if cfg.handoff_mode is HandoffOverride.CATCH_UP:
         return HandoffMode.CATCH_UP
+    if cfg.handoff_mode is HandoffOverride.OVERLAP or md_overtakes(rld, md, cfg):
+        return HandoffMode.OVERLAP
     has_room = rld.num_requests < cfg.rld_busy_fraction * rld.max_batch
     if num_eager_tokens > cfg.catchup_threshold_tokens and has_room:
         return HandoffMode.CATCH_UP
@@ -143,8 +171,9 @@ class HandoffSession:
 
     @property
     def rld_stop_at(self) -> int | None:
-        """Where RLD must stop generating, once the final batch is out."""
-        last = self._batches[-1] if self._batches else None
+        """Where RLD must stop generating, once the final batch is out (None
+        overlapping: RLD goes on until MD overtakes it)."""
+        last = self._batches[-1] if self._batches and self.mode is not HandoffMode.OVERLAP else None
         return last.end if last and last.final else None
 
     @property
@@ -163,6 +192,8 @@ class HandoffSession:
         self.md_ready_s = now
         if self._rld_finishes(num_generated):
             return None
+        if self.mode is HandoffMode.OVERLAP:
+            return self._send(0, num_generated, True, arm=False)     # RLD is not paused: nothing to arm
         final = (self.mode is HandoffMode.ONE_SHOT
                  or num_generated <= self.cfg.catchup_final_max_tokens)
         return self._send(0, num_generated, final, arm=rld_decoding)
@@ -199,10 +230,28 @@ class HandoffSession:
             return None
         return self._send(upto, num_generated, final)
 
+    def on_overlap_switch(self, now: float, upto: int) -> Complete:
+        """Overlap: MD's tokens overtook RLD's at index `upto`; MD owns the stream."""
+        if self.mode is not HandoffMode.OVERLAP or self.state is not HandoffState.FINAL_IN_FLIGHT:
+            raise HandoffError(f"{self.request_id}: on_overlap_switch in {self.mode.name} / {self.state.name}")
+        self._advance(upto)
+        self.state = HandoffState.DONE
+        self.done_s = now
+        return Complete(upto)
+
+    def on_overlap_diverged(self, now: float) -> None:
+        """Overlap: MD's token differs from the user's at an index both made
+        (numerics of different batches): RLD ends the request."""
+        if self.mode is not HandoffMode.OVERLAP or self.state is not HandoffState.FINAL_IN_FLIGHT:
+            raise HandoffError(f"{self.request_id}: on_overlap_diverged in {self.mode.name} / {self.state.name}")
+        self.state = HandoffState.RLD_FINISHES
+
     def on_rld_finished(self, now: float, num_generated: int) -> Abandon:
-        """RLD ended the request (EOS or max_tokens) before the final batch."""
-        if self.state not in (HandoffState.AWAITING_MD, HandoffState.EXTENDING, HandoffState.ARMED,
-                              HandoffState.RLD_FINISHES):
+        """RLD ended the request (EOS or max_tokens) before the final batch
+        (or, overlapping, before MD's tokens overtook its own)."""
+        overlapping = self.mode is HandoffMode.OVERLAP and self.state is HandoffState.FINAL_IN_FLIGHT
+        if not overlapping and self.state not in (HandoffState.AWAITING_MD, HandoffState.EXTENDING,
+                                                  HandoffState.ARMED, HandoffState.RLD_FINISHES):
             raise HandoffError(f"{self.request_id}: on_rld_finished in state {self.state.name}")
         self._advance(num_generated)
         self.state = HandoffState.ENDED_ON_RLD
@@ -253,6 +302,7 @@ class HandoffSession:
 
 
 def new_session(request_id: str, num_eager_tokens: int, rld: InstanceView,
-                cfg: PolicyConfig, max_tokens: int | None = None) -> HandoffSession:
-    """A session with its mode chosen from RLD's load at MD-ready time."""
-    return HandoffSession(request_id, choose_handoff_mode(num_eager_tokens, rld, cfg), cfg, max_tokens)
+                cfg: PolicyConfig, max_tokens: int | None = None,
+                md: InstanceView | None = None) -> HandoffSession:
+    """A session with its mode chosen from RLD's (and MD's) load at MD-ready time."""
+    return HandoffSession(request_id, choose_handoff_mode(num_eager_tokens, rld, cfg, md), cfg, max_tokens)

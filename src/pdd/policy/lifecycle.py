@@ -17,6 +17,8 @@ RLD, release P, emit a token, finish). No clock, no I/O: the router's
       a final batch armed for RLD's next token: PauseRld(at=next) first, so
       RLD makes that token and no more (no step of its own on the core MD's
       extend needs); disarmed without a final batch -> ResumeRld
+      overlap (MD's step clearly shorter than RLD's): no pause; RLD streams
+      until MD's tokens overtake its own, then MD owns the stream
     RLD ends first -> MD parked (`keep_wan_copy`: its copy still lands) or dropped
     MD / WAN fails before it owns the stream -> RLD resumes (held tokens emitted)
     DIRECT fails before a token -> failover: P sends its KV to an RLD (`pick_spare`),
@@ -109,6 +111,10 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
         self.handoff_batches = 0
         self.handoff_s: float | None = None
         self.rld_view: InstanceView | None = None     # RLD's load, as last reported
+        self.md_view: InstanceView | None = None      # MD's, at its kv_ready
+        self.overlap_from: int | None = None       # overlap handoff: MD's first token of its own
+        self.md_ahead: dict[int, int] = {}         # overlap: MD's tokens past the user's
+        self.md_end: FinishReason | None = None    # overlap: MD ended before owning the stream
         self.done: Finish | None = None
         self._out: list[Command] = []
 
@@ -162,7 +168,7 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
                 and self.rld_kv_s is not None):
             out.append((Leg.RLD, max(self.rld_kv_s, self.seen_s.get(Leg.RLD, 0.0))))
         md_busy = (self.owner is Leg.MD and not self.takeover_pending
-                   or self.session is not None and self.session.in_flight is not None)
+                   or self.session is not None and self.session.in_flight is not None and self.md_end is None)
         if self.md_live and Leg.MD in self.open_legs and self.md_ready_s is not None and md_busy:
             out.append((Leg.MD, max(self.md_ready_s, self.seen_s.get(Leg.MD, 0.0), self.md_extend_s or 0.0)))
         return out
@@ -306,6 +312,9 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
         if f.index != len(self.tokens):
             raise _Failed(f"relay stream out of order: token {f.index}, expected {len(self.tokens)}")
         self._emit(f.token, Leg.RLD)
+        if self.overlap_from is not None:
+            self._overlap_after_rld_token(f.now)
+            return
         if self.md_ready_pending:
             self.md_ready_pending = False
             self._new_session(f.now)

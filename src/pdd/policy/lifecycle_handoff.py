@@ -7,12 +7,16 @@ applies once MD's copy of the prompt's KV has landed.
     MD's token `stop_at` (or its normal end there) -> handoff complete: MD
       owns the stream, RLD is aborted off the user's path
     MD's own tokens, once it owns the stream: in order, each once
+    overlap (MD decodes clearly faster than RLD): the final batch does not
+      pause RLD; MD's tokens are checked against the user's and kept ahead
+      (`md_ahead`); the stream moves to MD when MD has the next index first
+      (`_overlap_switch`); a disagreement leaves the request to RLD
     MD's stream ends -> finish, or a failure for `lifecycle_recovery.py`
 """
 
 from __future__ import annotations
 
-from pdd.policy.handoff import Complete, HandoffState, SendBatch, new_session
+from pdd.policy.handoff import Complete, HandoffMode, HandoffState, SendBatch, new_session
 from pdd.policy.lifecycle_io import (
     Abort, DecodeEnded, DecodeToken, EndReason, Extended, ExtendMd, FinishReason, KvReady, Leg, PauseRld,
     ResumeRld,
@@ -29,6 +33,8 @@ class HandoffRules:
         if not self.md_live:
             return
         self.md_ready_s = f.now
+        if f.md is not None:
+            self.md_view = f.md
         self._note("kv_ready", instance=self.md_id, payload_bytes=f.payload_bytes)
         if self.takeover_pending:
             self._try_takeover(f.now)
@@ -48,6 +54,9 @@ class HandoffRules:
     def _on_md_token(self, f: DecodeToken) -> None:
         if not self.md_live:
             return
+        if self.owner is Leg.RLD and self.overlap_from is not None:
+            self._on_md_token_overlapping(f)
+            return
         if self.owner is Leg.RLD and self.stop_at is not None and f.index == self.stop_at:
             self.session.on_batch_extended(f.now, f.index, f.index)
             self._complete(f.now)
@@ -60,6 +69,22 @@ class HandoffRules:
 
     def _on_md_ended(self, f: DecodeEnded) -> None:
         if not self.md_live:
+            return
+        if self.owner is Leg.RLD and self.overlap_from is not None and f.reason.normal:
+            # MD made its last token (EOS or the bound) while overlapping: it
+            # takes the stream if it has the next index, else RLD, making the
+            # same tokens, ends the request itself.
+            self.md_end = FinishReason(f.reason.value)
+            self._overlap_switch(f.now)
+            if self.done is None and len(self.tokens) not in self.md_ahead:
+                # MD's last token is one the user has (checked): so is the
+                # whole answer. RLD, paused or about to end the same way, goes.
+                self.session.on_rld_finished(f.now, len(self.tokens))
+                self.ended_on_rld = True
+                if Leg.RLD in self.open_legs:
+                    self._close(Leg.RLD)
+                    self._out.append(Abort(Leg.RLD, self.rld_id))
+                self._finish(self.md_end)
             return
         if (self.owner is Leg.RLD and f.reason.normal and self.stop_at is not None
                 and len(self.tokens) >= self.stop_at):
@@ -85,7 +110,8 @@ class HandoffRules:
         """The handoff's mode from RLD's load now (`new_session`); an RLD never
         reported counts as idle."""
         rld = self.rld_view or InstanceView(self.rld_id or "rld", Role.RELAY, "", 0, 0, 1, 0, 0)
-        self.session = new_session(self.req.request_id, len(self.tokens), rld, self.cfg, self.req.max_tokens)
+        self.session = new_session(self.req.request_id, len(self.tokens), rld, self.cfg, self.req.max_tokens,
+                                   self.md_view)
         self._note("md_ready", eager_tokens=len(self.tokens), mode=self.session.mode.value)
         # tokens[0] is P's: RLD decodes from the second one on.
         self._do(now, self.session.on_md_ready(now, len(self.tokens), rld_decoding=len(self.tokens) > 1))
@@ -98,6 +124,10 @@ class HandoffRules:
             if toks or act.final:
                 self.md_extend_s = now
                 self._out.append(ExtendMd(self.md_id, tuple(toks), act.final))
+                if act.final and self.session.mode is HandoffMode.OVERLAP:
+                    self.overlap_from = act.end      # MD's first token of its own
+                    self.rld_hold_at = None
+                    return
                 if act.final:
                     # RLD's tokens past stop_at are held back from here on, so
                     # the pause need not precede MD's extend: a driver may send
@@ -113,6 +143,69 @@ class HandoffRules:
         if isinstance(act, Complete):
             self._complete(now)
         self._hold_ahead()
+
+    # --- overlap -----------------------------------------------------------------------
+    def _on_md_token_overlapping(self, f: DecodeToken) -> None:
+        """MD decodes beside RLD: a token the user has must agree; one ahead waits."""
+        if f.index < len(self.tokens):
+            if self.tokens[f.index] != f.token:
+                self._overlap_diverged(f.now, f.index)
+            return
+        self.md_ahead[f.index] = f.token
+        self._overlap_switch(f.now)
+
+    def _overlap_after_rld_token(self, now: float) -> None:
+        """RLD's token went to the user: MD's copy of it must agree; then MD
+        may take the next index, or RLD pauses if MD lags too far."""
+        i = len(self.tokens) - 1
+        if i in self.md_ahead and self.md_ahead.pop(i) != self.tokens[i]:
+            self._overlap_diverged(now, i)
+            return
+        self._overlap_switch(now)
+        if (self.owner is Leg.RLD and self.overlap_from is not None and self.stop_at is None
+                and len(self.tokens) - self.overlap_from >= self.cfg.overlap_max_lag):
+            # MD has not overtaken RLD: RLD holds, MD's own tokens catch up.
+            self.stop_at = len(self.tokens)
+            self._note("overlap_pause", at=self.stop_at)
+            self._out.append(PauseRld(self.rld_id))
+
+    def _overlap_switch(self, now: float, force: bool = False) -> None:
+        """MD has the user's next token: it owns the stream from here. MD's
+        first token of its own waits for RLD's of the same index (RLD's token
+        is due within its gap; MD's next one then follows within MD's), unless
+        MD is `overlap_max_ahead` tokens ahead, RLD is paused or gone, or MD
+        has ended."""
+        n = len(self.tokens)
+        if n not in self.md_ahead and not force:
+            return
+        waits = (n == self.overlap_from and len(self.md_ahead) < self.cfg.overlap_max_ahead
+                 and self.stop_at is None and self.md_end is None)
+        if waits and not force:
+            return
+        self.session.on_overlap_switch(now, n)
+        self.stop_at = n
+        self.held.clear()
+        self._complete(now)
+        while len(self.tokens) in self.md_ahead:
+            self._emit(self.md_ahead.pop(len(self.tokens)), Leg.MD)
+        self.md_ahead.clear()
+        if self.md_end is not None and self.done is None:
+            self._finish(self.md_end)
+
+    def _overlap_diverged(self, now: float, index: int) -> None:
+        """MD's token at `index` differs from the one the user has (the two
+        decoders ran it in different batches): MD's continuation is not the
+        user's. MD's request ends with its KV kept for its prefix cache; RLD
+        ends the request (resumed if it was told to pause)."""
+        self._note("overlap_diverged", index=index)
+        self.session.on_overlap_diverged(now)
+        self.overlap_from = None
+        self.md_ahead.clear()
+        self.md_end = None
+        self.md_live = False
+        self._close(Leg.MD)
+        self._out.append(Abort(Leg.MD, self.md_id, keep_kv=True, background=True))
+        self._resume_paused_rld(now)
 
     def _hold_ahead(self) -> None:
         """A final batch armed for RLD's next token: RLD holds right after

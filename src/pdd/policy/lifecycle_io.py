@@ -112,10 +112,12 @@ class DecodeTokens:
 
 @dataclass(frozen=True)
 class KvReady:
-    """MD holds the prompt KV (its stream's `kv_ready`)."""
+    """MD holds the prompt KV (its stream's `kv_ready`). `md`: MD's load now
+    (its decode step against RLD's chooses an overlap handoff)."""
     now: float
     rld: InstanceView | None = None
     payload_bytes: int | None = None
+    md: InstanceView | None = None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ _DROPPED = ("release_p", "wan_failed")
 # The lifecycle's `Note` events, and the one field that is a decision.
 NOTE_EVENTS = {"kv_ready": None, "md_ready": "mode", "handoff_complete": None, "md_parked": None,
                "md_dropped": None, "filter_cancel": None, "failover": None, "rld_lost": None,
-               "rld_lost_action": "action", "rld_lost_resend": None, "md_takeover": None}
+               "rld_lost_action": "action", "rld_lost_resend": None, "md_takeover": None,
+               "overlap_pause": None, "overlap_diverged": None}
 
 
 def note_word(event: str, fields: dict) -> str:

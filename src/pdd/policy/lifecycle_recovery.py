@@ -50,6 +50,12 @@ class RecoveryRules:
         rld = self.rld_id
         self.rld_lost = why
         self.lost.add(rld)
+        if self.overlap_from is not None and self.md_live:
+            # MD decodes this request already (an overlap handoff): it takes
+            # the stream at the user's next token, as it comes.
+            self._note("rld_lost", instance=rld, reason=why, tokens=len(self.tokens))
+            self._overlap_switch(now, force=True)
+            return
         self._close(Leg.RLD)
         self._out.append(Abort(Leg.RLD, rld))
         self._note("rld_lost", instance=rld, reason=why, tokens=len(self.tokens))
@@ -99,17 +105,25 @@ class RecoveryRules:
         self._drop_md(why)
         if self.session is not None and not self.session.state.terminal:
             self.session.on_failed(now, why)
-        if self.stop_at is not None:       # RLD was paused for the final batch: resume it
-            self.stop_at = None
-            self.seen_s[Leg.RLD] = now
-            self._out.append(ResumeRld(self.rld_id))
-            for i in sorted(self.held):
-                if i == len(self.tokens):
-                    self._emit(self.held[i], Leg.RLD)
-            self.held.clear()
-            if self.rld_end is not None:    # RLD had already finished: so has the request
-                self.ended_on_rld = True
-                self._finish(FinishReason(self.rld_end.value))
+        self.overlap_from, self.md_end = None, None
+        self.md_ahead.clear()
+        self._resume_paused_rld(now)
+
+    def _resume_paused_rld(self, now: float) -> None:
+        """MD will not take the stream: RLD, if paused for it, goes on, its
+        held-back tokens out in order (or the request ends, if RLD had)."""
+        if self.stop_at is None:
+            return
+        self.stop_at = None
+        self.seen_s[Leg.RLD] = now
+        self._out.append(ResumeRld(self.rld_id))
+        for i in sorted(self.held):
+            if i == len(self.tokens):
+                self._emit(self.held[i], Leg.RLD)
+        self.held.clear()
+        if self.rld_end is not None:    # RLD had already finished: so has the request
+            self.ended_on_rld = True
+            self._finish(FinishReason(self.rld_end.value))
 
     def _failover(self, now: float, why: str, healthy: tuple[InstanceView, ...]) -> bool:
         """DIRECT failed before any token: P sends its KV to an RLD instead

@@ -185,7 +185,9 @@ class PddRun:
             self.lc.seen_s[leg] = now       # RLD's own kv_ready / extended: alive, nothing to decide
             return None
         if kind == "kv_ready":
-            return io.KvReady(now, self.rld_view(), ev.get("payload_bytes"))
+            md = self.members.get(io.Leg.MD)
+            return io.KvReady(now, self.rld_view(), ev.get("payload_bytes"),
+                              self.cluster._view(md) if md is not None else None)
         if kind == "extended":
             return io.Extended(now, ev["upto"])
         return None

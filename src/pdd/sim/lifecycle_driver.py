@@ -66,6 +66,8 @@ class LifecycleDriverMixin:
         if req.seqs.get(leg, (None, None))[1] is not seq:
             return []                        # closed meanwhile: the instance dropped them
         first = seq.next_index - len(times)
+        if leg is io.Leg.MD and req.lc.overlap_from is not None and req.lc.owner is io.Leg.RLD:
+            req.md_made.update(zip(range(first, seq.next_index), times))
         fact = io.DecodeTokens(now, leg, first, tuple(range(first, seq.next_index)),
                                inst.view() if seq.relay else None)
         evs = self._feed(req, fact, times, first)
@@ -132,7 +134,7 @@ class LifecycleDriverMixin:
         md_id, seq = req.seqs.get(io.Leg.MD, (None, None))
         if seq is None or md_id != msg.md_id or seq.removed:
             return []
-        return self._feed(req, io.KvReady(now, self.instances[msg.to_id].view()))
+        return self._feed(req, io.KvReady(now, self.instances[msg.to_id].view(), md=self.instances[md_id].view()))
 
     def _on_extend_done(self, md: SimInstance, job: Job, now: float) -> list[Event]:
         req, batch = job.req, job.data
@@ -192,7 +194,10 @@ class LifecycleDriverMixin:
                 while i < n and isinstance(cmds[i], io.Emit) and cmds[i].source is cmd.source:
                     run.append(cmds[i])
                     i += 1
-                self._emit(req, cmd.source, [made(c.index) for c in run])
+                if cmd.source is io.Leg.MD and req.md_made and not 0 <= cmd.index - first < len(times):
+                    self._emit_ahead(req, [c.index for c in run], now)
+                else:
+                    self._emit(req, cmd.source, [made(c.index) for c in run])
             elif isinstance(cmd, io.EmitRun):
                 k = cmd.first_index - first
                 if k == 0 and len(cmd.tokens) == len(times):
@@ -232,6 +237,19 @@ class LifecycleDriverMixin:
         if leg is io.Leg.P and req.num_generated == 0:
             req.p_first = True
         req.emit(times, relay=leg is io.Leg.RLD, delay_s=self.instances[iid].deliver_s)
+
+    def _emit_ahead(self, req: SimRequest, indices: list[int], now: float) -> None:
+        """MD's tokens that ran ahead of RLD's (an overlap handoff) go out when
+        the stream moves to MD: each reaches the user when both it (from MD)
+        and the fact that moved the stream (RLD's token, at `now`) have
+        reached the router."""
+        md = self.instances[req.lc.md_id]
+        rld_id = req.lc.rld_id or req.p_id
+        at = now + self.instances[rld_id].deliver_s
+        times = [max(at, req.md_made.get(i, now) + md.deliver_s) for i in indices]
+        req.emit(times, relay=False)
+        req.last_delay_s = md.deliver_s
+        req.md_made.clear()
 
     def _send(self, req: SimRequest, t: io.Transfer, now: float) -> list[Event]:
         dst = self.instances[t.instance_id]

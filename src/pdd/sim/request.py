@@ -57,7 +57,7 @@ class SimRequest:
                  "uncached_kv_bytes", "pipeline", "pipeline_reason", "handoff_mode", "done_s", "failed",
                  "error", "p_id", "lc", "targets", "legs", "seqs", "md_context",
                  "p_blocks", "p_shared", "warm_blocks", "last_delay_s", "log", "prefill_done_s", "streamed",
-                 "kv_made_by_s", "p_first")
+                 "kv_made_by_s", "p_first", "md_made")
 
     def __init__(self, spec: RequestSpec, stride: int = 1) -> None:
         self.spec = spec
@@ -92,6 +92,7 @@ class SimRequest:
         self.streamed = False             # its KV left P while the prefill ran (streamed transfers)
         self.kv_made_by_s: float | None = None   # streamed layer by layer: when P should have made it all
         self.p_first = False                     # the first token went out from P
+        self.md_made: dict[int, float] = {}      # overlap handoff: when MD made the tokens it ran ahead with
 
     @property
     def finished(self) -> bool:
