@@ -94,13 +94,13 @@ def ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def run(dep, prompt: list[int], n: int, stream: bool = True) -> tuple[str, dict]:
-    """One greedy completion through the router with the official `openai`
-    client: (text, the router's trace of it)."""
+def run(dep, prompt: list[int], n: int, stream: bool = True, temperature: float = 0.0) -> tuple[str, dict]:
+    """One completion (greedy unless `temperature`) through the router with
+    the official `openai` client: (text, the router's trace of it)."""
     import openai
 
     client = openai.OpenAI(base_url=dep.router_url, api_key="x", max_retries=0, timeout=300)
-    kw = dict(model=client.models.list().data[0].id, prompt=prompt, max_tokens=n, temperature=0,
+    kw = dict(model=client.models.list().data[0].id, prompt=prompt, max_tokens=n, temperature=temperature,
               extra_body={"ignore_eos": True})
     if stream:
         chunks = list(client.completions.create(stream=True, **kw))

@@ -242,8 +242,15 @@ def test_forced_handoff_modes_concurrent(mode, tmp_path_factory, smollm2_dir, re
         prompts = [ids(10, 360), ids(11, 300)]
         with ThreadPoolExecutor(2) as pool:
             got = list(pool.map(lambda p: run(dep, p, 70), prompts))
+        # Sampled, with no seed: the router seeds it, so that RLD and MD draw
+        # alike and MD's tokens can be checked against RLD's.
+        sampled = run(dep, ids(12, 330), 70, temperature=0.9)[1] if mode == "overlap" else None
     finally:
         dep.stop()
+    if sampled is not None:
+        log = event(sampled, "lifecycle")["log"]
+        assert sampled["handoff_mode"] == "overlap" and "note:overlap_diverged" not in log, timeline(sampled)
+        assert sampled["token_sources"][-1] == "md", timeline(sampled)
     for p, (text, tr) in zip(prompts, got):
         assert text == tok.decode(reference(p, 70))
         assert tr["pipeline"] == "relay" and tr["handoff_mode"] == mode

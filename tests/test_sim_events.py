@@ -203,3 +203,31 @@ def test_pdd_sim_event_log_flag(tmp_path):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert {e["mode"] for e in lines} == {"pdd", "naive-xdc", "colocated"}
     assert lines[0]["type"] == "Arrival"
+
+
+def test_an_overlap_handoff_in_the_simulator_keeps_rld_decoding_past_the_final_batch(tmp_path):
+    """The overlap handoff forced where MD is no faster than RLD (each on a
+    core of its own): the final batch does not stop RLD, which decodes on
+    beside MD until `overlap_max_lag` tokens past it; then it pauses and MD's
+    own tokens catch up and take the stream. Every token reaches the user once."""
+    path = _own_cores_pdd(tmp_path)
+    path.write_text(path.read_text().replace('handoff_mode = "catch_up"', 'handoff_mode = "overlap"'))
+    rng = random.Random(1)
+    prompt = [rng.randrange(100, 40000) for _ in range(1536)]
+    wl = Workload("one", [WorkloadRequest("r1", 0.0, prompt, 200)], block_size=16)
+    buf = io.StringIO()
+    _, records, _ = run_runtime_mode(RuntimeMode("pdd", str(path), AS_WRITTEN), wl, Sla(10.0, 1.0),
+                                     event_log=EventLog(buf))
+    (rec,) = records
+    assert (rec.pipeline, rec.handoff_mode, rec.failed) == ("relay", "overlap", False)
+    assert rec.output_tokens == 200 and len(rec.token_times_s) == 200
+    assert all(a <= b for a, b in zip(rec.token_times_s, rec.token_times_s[1:]))
+    words = rec.events[0]["log"]
+    assert "extend_final" in words and "note:overlap_pause" in words and "pause_at:rld" not in words
+    assert words.index("extend_final") < words.index("note:overlap_pause") < words.index("note:handoff_complete")
+    log = [json.loads(line) for line in buf.getvalue().splitlines()]
+    final = [i for i, e in enumerate(log) if e["type"] == "ExtendReachesMd" and e["final"]]
+    assert len(final) == 1
+    assert any(e["type"] == "StepEnd" and e["instance_id"] == "rld0" for e in log[final[0]:])
+    # RLD's tokens: those the final batch carried, then overlap_max_lag (8) more.
+    assert rec.rld_tokens == log[final[0]]["end"] + 8 and rec.handoff_gap_s is not None

@@ -20,7 +20,9 @@ also leaves the router's load polls unanswered, becomes a `PeerGone` fact.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+import secrets
 import time
 from typing import AsyncIterator
 
@@ -95,6 +97,12 @@ class PddRun:
 
     # -- main loop -------------------------------------------------------------
     async def run(self) -> AsyncIterator[int]:
+        s = self.ctx.sampling
+        if s.temperature > 0 and s.seed is None:
+            # RLD and MD must draw alike for an overlap handoff to check MD's
+            # tokens against RLD's (the sampler seeds by (seed, position)): an
+            # unseeded sampled request gets a random seed of its own here.
+            self.ctx.sampling = dataclasses.replace(s, seed=secrets.randbits(63))
         self.lc = await self.decide()
         try:
             await self.apply(self.lc.start(time.monotonic()))
