@@ -66,8 +66,9 @@ class ModelRunner:
             model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype,
         )  # [L, 2, S, KVH, D]
         self.kv_layers = self.kv.unbind(0)   # kv[l] per layer, made once
-        # bf16: every sequence of a step attended by our AVX512-BF16 kernel where it runs, else SDPA
-        self.native = use_kernel(cfg.bf16_attention, self.dtype, model_cfg.head_dim, cfg.num_threads)
+        # bf16 / fp32: every sequence of a step attended by our kernel (AVX512-BF16 / AVX-512F)
+        # where it runs, else SDPA
+        self.native = use_kernel(cfg.attention, self.dtype, model_cfg.head_dim, cfg.num_threads)
         # decodes in bf16 / fp16 otherwise: SDPA on the dtype or the fp32 kernel, measured once per process
         self.decode_kernel = "native" if self.native else decode_kernel(
             cfg.decode_attention, self.dtype, model_cfg.num_kv_heads, model_cfg.head_dim,
