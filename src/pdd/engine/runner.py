@@ -87,7 +87,7 @@ class ModelRunner:
         # (in the engine's dtype under either decode kernel: rows kept in fp32 and attended
         # without a copy decoded 0.89-0.94x as fast as bf16 rows copied to a compact fp32
         # buffer each layer, batch 8-16, 128-token prompts, on the AMD EPYC of docs/DESIGN.md)
-        # (not with the bf16 kernel: it reads every context in place through the block table)
+        # (not with our kernels: they read every context in place through the block table)
         self.rows: DecodeRows | None = DecodeRows(
             model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, self.dtype, cfg.block_size,
         ) if cfg.decode_rows and not self.native else None
