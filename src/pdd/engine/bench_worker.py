@@ -118,12 +118,13 @@ class PddBackend:
             ecfg = self.ours.ecfg
             setting = getattr(ecfg, "attention", None) or getattr(ecfg, "bf16_attention", None) or "sdpa"
             if a.dtype == "float32" and not hasattr(ecfg, "attention"):
-                setting = "sdpa"                   # before the fp32 kernel, fp32 always took SDPA
-            native = use_kernel(setting, dtype, mcfg.head_dim, a.threads)
-            try:
-                why = unavailable_reason(dtype)
-            except TypeError:                      # a checkout with only the bf16 kernel
-                why = unavailable_reason()
+                native, why = False, "a checkout from before the fp32 kernel"
+            else:
+                native = use_kernel(setting, dtype, mcfg.head_dim, a.threads)
+                try:
+                    why = unavailable_reason(dtype)
+                except TypeError:                  # a checkout with only the bf16 kernel
+                    why = unavailable_reason()
             notes.append(f"attention: our {'fp32' if a.dtype == 'float32' else 'bf16'} kernel" if native else
                          f"attention: SDPA ({why or 'attention = ' + setting})")
         except ImportError:
