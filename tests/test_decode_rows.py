@@ -110,7 +110,8 @@ def test_engine_with_rows_equals_the_reference_and_the_gathering_path(tiny_model
         real = getattr(paged_attention.PagedAttention, name)
         monkeypatch.setattr(paged_attention.PagedAttention, name,
                             lambda self, *a, _n=name, _f=real: used.append(_n) or _f(self, *a))
-    kw = dict(num_blocks=128, block_size=16, max_num_batched_tokens=48)
+    # SDPA's paths (our kernels keep no rows: they read the pool in place)
+    kw = dict(num_blocks=128, block_size=16, max_num_batched_tokens=48, attention="sdpa")
     with_rows = Engine(model, cfg, EngineConfig(**kw))
     with_rows.reserve_decode_rows()                     # a decode instance at start-up
     store = with_rows.runner.rows._store.data_ptr()
@@ -147,7 +148,7 @@ def test_rows_survive_preemption_with_identical_tokens(tiny_model):
 
 def test_a_kv_import_drops_only_the_rows_copied_from_its_block(tiny_model):
     model, cfg = tiny_model
-    eng = Engine(model, cfg, EngineConfig(num_blocks=32, block_size=16))
+    eng = Engine(model, cfg, EngineConfig(num_blocks=32, block_size=16, attention="sdpa"))   # rows: SDPA's
     for rid, start in (("a", 100), ("b", 300)):
         eng.submit(EngineRequest(rid, list(range(start, start + 30)), SamplingParams(max_tokens=10, ignore_eos=True)))
     for _ in range(4):

@@ -9,7 +9,8 @@ bf16, each a relative error of at most 2^-9; the fp32 reference of SDPA's own
 bf16 kernel measured within the same bound on these shapes.
 
 The engine-level checks (extend equals step-by-step decoding, greedy agreement
-with fp32 on SmolLM2) run the kernel in tests/test_engine_bf16.py.
+with fp32 on SmolLM2) run the kernel in tests/test_engine_bf16.py. The fp32
+kernel: tests/test_native_attention_f32.py.
 """
 
 from __future__ import annotations
@@ -115,16 +116,19 @@ def test_shapes_it_does_not_take_are_refused_clearly():
     with pytest.raises(ValueError, match="refused"):
         na.attend(q, k, k)
     q, k, v = qkv(gen, 4)
-    with pytest.raises(ValueError, match="bf16"):
-        na.attend(q.float(), k, v)
+    with pytest.raises(ValueError, match="k_own: f32"):
+        na.attend(q.float(), k, v)                                     # an fp32 query, bf16 keys
+    with pytest.raises(ValueError, match="no kernel"):
+        na.attend(q.half(), k.half(), v.half())
     with pytest.raises(ValueError, match="refused"):
         na.attend(q, k[:2], v[:2])                                     # 4 queries, 2 keys
 
 
 def test_auto_falls_back_to_sdpa_where_the_kernel_cannot_run(monkeypatch):
-    monkeypatch.setattr(na, "_tried", True)
-    monkeypatch.setattr(na, "_fn", None)
-    monkeypatch.setattr(na, "_why", "the CPU lacks avx512_bf16")
+    kern = na.KERNELS[torch.bfloat16]
+    monkeypatch.setattr(kern, "tried", True)
+    monkeypatch.setattr(kern, "fn", None)
+    monkeypatch.setattr(kern, "why", "the CPU lacks avx512_bf16")
     assert not na.use_kernel("auto", torch.bfloat16, D)
     with pytest.raises(RuntimeError, match="lacks avx512_bf16"):
         na.use_kernel("native", torch.bfloat16, D)
@@ -139,9 +143,9 @@ def test_auto_leaves_an_engine_of_several_threads_to_sdpa():
     assert na.use_kernel("native", torch.bfloat16, D, num_threads=2)
 
 
-def test_fp32_and_other_head_sizes_never_take_it():
-    assert not na.use_kernel("auto", torch.float32, D)
-    assert not na.use_kernel("native", torch.float32, D)     # fp32 is the reference path
+def test_fp16_and_other_head_sizes_never_take_it():
+    assert not na.use_kernel("auto", torch.float16, D)
+    assert not na.use_kernel("native", torch.float16, D)     # no fp16 kernel: SDPA
     assert not na.use_kernel("auto", torch.bfloat16, 128)
     with pytest.raises(RuntimeError, match="head_dim 128"):
         na.use_kernel("native", torch.bfloat16, 128)
@@ -150,3 +154,21 @@ def test_fp32_and_other_head_sizes_never_take_it():
 def test_the_setting_is_checked():
     with pytest.raises(ValueError, match="bf16_attention"):
         EngineConfig(bf16_attention="fast")
+    with pytest.raises(ValueError, match="engine.attention"):
+        EngineConfig(attention="fast")
+
+
+def test_bf16_attention_is_the_older_name_of_attention():
+    """Deployment files written before the fp32 kernel say `bf16_attention`: it sets
+    `attention` (for every dtype with a kernel), and a copy with another `attention`
+    (dataclasses.replace, as deployment specs make) takes the new value."""
+    import dataclasses
+
+    assert EngineConfig().attention == "auto"
+    old = EngineConfig(bf16_attention="sdpa")
+    assert (old.attention, old.bf16_attention) == ("sdpa", None)
+    assert dataclasses.replace(old, attention="native").attention == "native"
+    assert EngineConfig(attention="native", bf16_attention="native").attention == "native"
+    assert EngineConfig(attention="native", bf16_attention="auto").attention == "native"
+    with pytest.raises(ValueError, match="disagree"):
+        EngineConfig(attention="native", bf16_attention="sdpa")

@@ -224,7 +224,7 @@ def test_engine_on_the_per_sequence_path_equals_the_reference(tiny_model, monkey
     rng = random.Random(7)
     prompts = {f"r{i}": [rng.randrange(100, 5000) for _ in range(n)] for i, n in enumerate([5, 17, 70, 130, 33])}
     eng = Engine(model, cfg, EngineConfig(num_blocks=128, block_size=16, max_num_batched_tokens=48,
-                                          decode_rows=False))
+                                          decode_rows=False, attention="sdpa"))
     calls = []
     real = paged_attention.PagedAttention._decode_each
     monkeypatch.setattr(paged_attention.PagedAttention, "_decode_each",

@@ -112,16 +112,23 @@ class PddBackend:
         notes = []
         if getattr(self.ours.ecfg, "huge_pages", False):   # as `pdd serve` does at start-up, not inside a timing
             notes.append(model.weights_on_huge_pages().line())
-        if a.dtype != "float32":
-            try:                               # which attention the engine takes (a baseline checkout may predate it)
-                from pdd.engine.native_attention import unavailable_reason, use_kernel
+        try:                                   # which attention the engine takes (a baseline checkout may predate it)
+            from pdd.engine.native_attention import unavailable_reason, use_kernel
 
-                setting = getattr(self.ours.ecfg, "bf16_attention", "sdpa")
+            ecfg = self.ours.ecfg
+            setting = getattr(ecfg, "attention", None) or getattr(ecfg, "bf16_attention", None) or "sdpa"
+            if a.dtype == "float32" and not hasattr(ecfg, "attention"):
+                native, why = False, "a checkout from before the fp32 kernel"
+            else:
                 native = use_kernel(setting, dtype, mcfg.head_dim, a.threads)
-                notes.append("attention: our bf16 kernel" if native else
-                             f"attention: SDPA ({unavailable_reason() or 'bf16_attention = ' + setting})")
-            except ImportError:
-                notes.append("attention: SDPA")
+                try:
+                    why = unavailable_reason(dtype)
+                except TypeError:                  # a checkout with only the bf16 kernel
+                    why = unavailable_reason()
+            notes.append(f"attention: our {'fp32' if a.dtype == 'float32' else 'bf16'} kernel" if native else
+                         f"attention: SDPA ({why or 'attention = ' + setting})")
+        except ImportError:
+            notes.append("attention: SDPA")
         self.note = "; ".join(notes)
 
     def prefill(self, prompt: list[int]) -> dict:

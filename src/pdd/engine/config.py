@@ -11,8 +11,10 @@ from pdd.policy.step_packing import STEP_OVERHEAD_TOKENS
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # `[engine] decode_attention`: how decodes are attended in bf16 / fp16 (engine/paged_attention.py)
 DECODE_ATTENTION = ("auto", "flash", "fp32")
-# `[engine] bf16_attention`: which kernel attends in bf16 (engine/native_attention.py)
-BF16_ATTENTION = ("auto", "sdpa", "native")
+# `[engine] attention` (older name `bf16_attention`): which kernel attends in bf16 and fp32
+# (engine/native_attention.py)
+ATTENTION = ("auto", "sdpa", "native")
+BF16_ATTENTION = ATTENTION      # the older name, kept for importers
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,15 @@ class EngineConfig:
     # how decodes are attended in bf16 / fp16 (engine/paged_attention.py, `decode_kernel`):
     # "flash" (SDPA on the dtype), "fp32" (the context copied to fp32), "auto" (the faster, measured)
     decode_attention: str = "auto"
-    # which kernel attends in bf16 (engine/native_attention.py): "native" (our AVX512-BF16
-    # kernel, every prefill chunk and decode of a step in one call a layer; an error where it
-    # cannot run), "sdpa" (SDPA, decodes as `decode_attention` says), "auto" (native where it runs)
-    bf16_attention: str = "auto"
+    # which kernel attends in bf16 and fp32 (engine/native_attention.py): "native" (ours,
+    # AVX512-BF16 / AVX-512F, every prefill chunk and decode of a step in one call a layer; an
+    # error where it cannot run), "sdpa" (SDPA, decodes as `decode_attention` says), "auto"
+    # (native where it runs and the engine has one thread)
+    attention: str = "auto"
+    # the older name of `attention` (when it only chose bf16's kernel), still read from
+    # deployment files: where given it sets `attention` (left at "auto"), then reads None;
+    # given both, different and neither "auto", is an error
+    bf16_attention: str | None = None
     # a step's fixed cost in tokens of its per-token cost: how much longer prompt
     # work may join a step that ends short prompts (policy/step_packing.py)
     step_overhead_tokens: int = STEP_OVERHEAD_TOKENS
@@ -53,8 +60,18 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be a positive integer, got {v!r}")
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"engine.decode_attention must be auto, flash or fp32, got {self.decode_attention!r}")
-        if self.bf16_attention not in BF16_ATTENTION:
-            raise ValueError(f"engine.bf16_attention must be auto, sdpa or native, got {self.bf16_attention!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"engine.attention must be auto, sdpa or native, got {self.attention!r}")
+        if self.bf16_attention is not None:
+            if self.bf16_attention not in ATTENTION:
+                raise ValueError(f"engine.bf16_attention (now engine.attention) must be auto, sdpa or native, "
+                                 f"got {self.bf16_attention!r}")
+            if self.attention != "auto" and self.bf16_attention not in ("auto", self.attention):
+                raise ValueError(f"engine.attention = {self.attention!r} and its older name engine.bf16_attention "
+                                 f"= {self.bf16_attention!r} disagree: give one")
+            if self.attention == "auto":
+                object.__setattr__(self, "attention", self.bf16_attention)
+            object.__setattr__(self, "bf16_attention", None)
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"engine.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if isinstance(self.step_overhead_tokens, bool) or not isinstance(self.step_overhead_tokens, int) \

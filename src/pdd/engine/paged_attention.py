@@ -101,7 +101,7 @@ class AttentionMetadata:
     # set instead of the block table when the decodes' contexts are kept as rows (decode_rows.py)
     rows: RowsPlan | None = None
     rows_kv: DecodeRows | None = None
-    # set instead of all the above (but slot_mapping): the step for the bf16 kernel
+    # set instead of all the above (but slot_mapping): the step for our kernel (bf16 or fp32)
     native: native_attention.StepPlan | None = None
 
 
@@ -144,7 +144,7 @@ def build_metadata(
     decode_each_min_tokens: None for DECODE_EACH_MIN_TOKENS, read at call time.
     rows: the decodes' contexts as rows (DecodeRows.prepare for the same decodes, in order):
     no block table is built for them then.
-    native: the step goes to the bf16 kernel (`native_attention.StepPlan`), nothing else is built."""
+    native: the step goes to our kernel (`native_attention.StepPlan`, bf16 or fp32), nothing else is built."""
     bs = block_size
     if native:
         slots = [blocks[p // bs] * bs + p % bs for start, n, blocks in seqs for p in range(start, start + n)]
@@ -271,7 +271,7 @@ class PagedAttention:
 
     def _native(self, layer: int, kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
-        """The whole step by the bf16 kernel: this step's K/V into the pool (one copy when
+        """The whole step by our kernel (bf16 or fp32): this step's K/V into the pool (one copy when
         they are the model's fused qkv output), then every sequence over its context read
         in place through its block table and its own tokens (engine/native_attention.py)."""
         md = self.md

@@ -66,8 +66,9 @@ class ModelRunner:
             model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype,
         )  # [L, 2, S, KVH, D]
         self.kv_layers = self.kv.unbind(0)   # kv[l] per layer, made once
-        # bf16: every sequence of a step attended by our AVX512-BF16 kernel where it runs, else SDPA
-        self.native = use_kernel(cfg.bf16_attention, self.dtype, model_cfg.head_dim, cfg.num_threads)
+        # bf16 / fp32: every sequence of a step attended by our kernel (AVX512-BF16 / AVX-512F)
+        # where it runs, else SDPA
+        self.native = use_kernel(cfg.attention, self.dtype, model_cfg.head_dim, cfg.num_threads)
         # decodes in bf16 / fp16 otherwise: SDPA on the dtype or the fp32 kernel, measured once per process
         self.decode_kernel = "native" if self.native else decode_kernel(
             cfg.decode_attention, self.dtype, model_cfg.num_kv_heads, model_cfg.head_dim,
@@ -86,7 +87,7 @@ class ModelRunner:
         # (in the engine's dtype under either decode kernel: rows kept in fp32 and attended
         # without a copy decoded 0.89-0.94x as fast as bf16 rows copied to a compact fp32
         # buffer each layer, batch 8-16, 128-token prompts, on the AMD EPYC of docs/DESIGN.md)
-        # (not with the bf16 kernel: it reads every context in place through the block table)
+        # (not with our kernels: they read every context in place through the block table)
         self.rows: DecodeRows | None = DecodeRows(
             model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, self.dtype, cfg.block_size,
         ) if cfg.decode_rows and not self.native else None
