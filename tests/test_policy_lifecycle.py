@@ -333,6 +333,22 @@ def test_overlap_only_where_md_decodes_clearly_faster(md_step, overlap):
     assert lc.session.mode.value != "overlap"
 
 
+@pytest.mark.parametrize("gap_s, view_s, overlap", [(0.2, 0.02, True), (0.03, 0.2, False)])
+def test_overlap_judges_rld_by_this_requests_own_token_gaps(gap_s, view_s, overlap):
+    """RLD's pace is the gap between this request's last tokens, not its
+    instance's mean step (which lags when P's load on the shared core comes
+    and goes); MD at 0.03 s a step."""
+    lc, _ = started(RELAY, max_tokens=40, cfg=PolicyConfig())
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    slow = dataclasses.replace(rld_view(), step_time_s=view_s)
+    for i in range(6):
+        lc.handle(DecodeToken(1.0 + i * gap_s, Leg.RLD, i, ref(i), slow))
+    assert lc.rld_pace_s() == pytest.approx(gap_s)
+    lc.handle(KvReady(2.5, slow, md=md_view(0.03)))
+    assert (lc.session.mode.value == "overlap") is overlap
+
+
 def test_filtered_request_is_rld_only_and_warms_md_with_its_shared_prefix():
     lc, cmds = started(FILTERED, warm_blocks=4)
     assert of(cmds, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False)]

@@ -111,21 +111,27 @@ class Abandon:
 HandoffAction = SendBatch | Complete | Abandon
 
 
-def md_overtakes(rld: InstanceView, md: InstanceView | None, cfg: PolicyConfig) -> bool:
+def md_overtakes(rld: InstanceView, md: InstanceView | None, cfg: PolicyConfig,
+                 rld_pace_s: float | None = None) -> bool:
     """MD's decode step is at most `overlap_max_step_ratio` of RLD's, both
     measured: MD's tokens overtake RLD's within a few of RLD's after a final
     batch that does not pause RLD. With MD at half RLD's step, MD gains half
     an RLD step a token and makes up its round trip and extend (~1-1.5 RLD
     steps here) in 2-3 tokens; a slower MD would never catch up and RLD would
-    decode the whole answer beside it."""
+    decode the whole answer beside it. `rld_pace_s`: RLD's gap between this
+    request's own last tokens, when known, rather than its instance's mean
+    step: RLD beside P is 3-8x slower while P computes than once P is idle,
+    and the mean lags (`wan-bound-57-96`: a mean that said "slow" while RLD
+    made this request's tokens 35-44 ms apart, as fast as MD, sent two
+    overlaps MD never caught up with)."""
     if md is None or cfg.overlap_max_step_ratio <= 0:
         return False
-    t_rld, t_md = rld.step_time_s, md.step_time_s
+    t_rld, t_md = rld_pace_s or rld.step_time_s, md.step_time_s
     return bool(t_rld and t_md and t_rld > 0 and 0 < t_md <= cfg.overlap_max_step_ratio * t_rld)
 
 
 def choose_handoff_mode(num_eager_tokens: int, rld: InstanceView, cfg: PolicyConfig,
-                        md: InstanceView | None = None) -> HandoffMode:
+                        md: InstanceView | None = None, rld_pace_s: float | None = None) -> HandoffMode:
     """Overlap where MD overtakes RLD (`md_overtakes`); else catch-up for many
     eager tokens while RLD has room, one-shot otherwise.
 
@@ -139,7 +145,7 @@ def choose_handoff_mode(num_eager_tokens: int, rld: InstanceView, cfg: PolicyCon
         return HandoffMode.ONE_SHOT
     if cfg.handoff_mode is HandoffOverride.CATCH_UP:
         return HandoffMode.CATCH_UP
-    if cfg.handoff_mode is HandoffOverride.OVERLAP or md_overtakes(rld, md, cfg):
+    if cfg.handoff_mode is HandoffOverride.OVERLAP or md_overtakes(rld, md, cfg, rld_pace_s):
         return HandoffMode.OVERLAP
     has_room = rld.num_requests < cfg.rld_busy_fraction * rld.max_batch
     if num_eager_tokens > cfg.catchup_threshold_tokens and has_room:
@@ -303,6 +309,7 @@ class HandoffSession:
 
 def new_session(request_id: str, num_eager_tokens: int, rld: InstanceView,
                 cfg: PolicyConfig, max_tokens: int | None = None,
-                md: InstanceView | None = None) -> HandoffSession:
+                md: InstanceView | None = None, rld_pace_s: float | None = None) -> HandoffSession:
     """A session with its mode chosen from RLD's (and MD's) load at MD-ready time."""
-    return HandoffSession(request_id, choose_handoff_mode(num_eager_tokens, rld, cfg, md), cfg, max_tokens)
+    mode = choose_handoff_mode(num_eager_tokens, rld, cfg, md, rld_pace_s)
+    return HandoffSession(request_id, mode, cfg, max_tokens)

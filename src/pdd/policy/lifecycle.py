@@ -115,6 +115,7 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
         self.overlap_from: int | None = None       # overlap handoff: MD's first token of its own
         self.md_ahead: dict[int, int] = {}         # overlap: MD's tokens past the user's
         self.md_end: FinishReason | None = None    # overlap: MD ended before owning the stream
+        self.rld_seen: list[tuple[float, int]] = []   # (when, the user's tokens) at RLD's last facts: its pace
         self.done: Finish | None = None
         self._out: list[Command] = []
 
@@ -312,6 +313,8 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
         if f.index != len(self.tokens):
             raise _Failed(f"relay stream out of order: token {f.index}, expected {len(self.tokens)}")
         self._emit(f.token, Leg.RLD)
+        if last:
+            self._note_rld_pace(f.now)
         if self.overlap_from is not None:
             self._overlap_after_rld_token(f.now)
             return

@@ -111,7 +111,7 @@ class HandoffRules:
         reported counts as idle."""
         rld = self.rld_view or InstanceView(self.rld_id or "rld", Role.RELAY, "", 0, 0, 1, 0, 0)
         self.session = new_session(self.req.request_id, len(self.tokens), rld, self.cfg, self.req.max_tokens,
-                                   self.md_view)
+                                   self.md_view, self.rld_pace_s())
         self._note("md_ready", eager_tokens=len(self.tokens), mode=self.session.mode.value)
         # tokens[0] is P's: RLD decodes from the second one on.
         self._do(now, self.session.on_md_ready(now, len(self.tokens), rld_decoding=len(self.tokens) > 1))
@@ -143,6 +143,19 @@ class HandoffRules:
         if isinstance(act, Complete):
             self._complete(now)
         self._hold_ahead()
+
+    def _note_rld_pace(self, now: float) -> None:
+        """When RLD's tokens reached the router (the last fact's last one)."""
+        self.rld_seen.append((now, len(self.tokens)))
+        del self.rld_seen[:-4]
+
+    def rld_pace_s(self) -> float | None:
+        """RLD's gap between this request's last few tokens (up to 3 gaps); None
+        before two facts with tokens between them."""
+        if len(self.rld_seen) < 2:
+            return None
+        (t0, n0), (t1, n1) = self.rld_seen[0], self.rld_seen[-1]
+        return (t1 - t0) / (n1 - n0) if n1 > n0 and t1 > t0 else None
 
     # --- overlap -----------------------------------------------------------------------
     def _on_md_token_overlapping(self, f: DecodeToken) -> None:
