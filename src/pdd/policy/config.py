@@ -136,7 +136,8 @@ class PolicyConfig:
     catchup_max_batches: int = 4      # non-final batches before forcing the final one
     rld_busy_fraction: float = 0.75
     # Overlap handoff (`pdd.policy.handoff`, HandoffMode.OVERLAP): when MD's
-    # decode step is at most this fraction of RLD's (both as last reported),
+    # decode step is at most this fraction of RLD's pace (the gap between the
+    # request's own last tokens from RLD; its reported step before there are any),
     # the final batch goes with no pause: RLD keeps streaming while MD
     # extends, and the user's stream moves to MD once MD's tokens overtake
     # RLD's. 0 turns it off (the paused handoff only).

@@ -189,10 +189,8 @@ class HandoffRules:
         MD is `overlap_max_ahead` tokens ahead, RLD is paused or gone, or MD
         has ended."""
         n = len(self.tokens)
-        if n not in self.md_ahead and not force:
-            return
-        waits = (n == self.overlap_from and len(self.md_ahead) < self.cfg.overlap_max_ahead
-                 and self.stop_at is None and self.md_end is None)
+        waits = n not in self.md_ahead or (n == self.overlap_from and self.stop_at is None and self.md_end is None
+                                           and len(self.md_ahead) < self.cfg.overlap_max_ahead)
         if waits and not force:
             return
         self.session.on_overlap_switch(now, n)
@@ -212,13 +210,16 @@ class HandoffRules:
         ends the request (resumed if it was told to pause)."""
         self._note("overlap_diverged", index=index)
         self.session.on_overlap_diverged(now)
-        self.overlap_from = None
-        self.md_ahead.clear()
-        self.md_end = None
+        self._end_overlap()
         self.md_live = False
         self._close(Leg.MD)
         self._out.append(Abort(Leg.MD, self.md_id, keep_kv=True, background=True))
         self._resume_paused_rld(now)
+
+    def _end_overlap(self) -> None:
+        """MD will not take the stream: nothing of its overlap is kept."""
+        self.overlap_from, self.md_end = None, None
+        self.md_ahead.clear()
 
     def _hold_ahead(self) -> None:
         """A final batch armed for RLD's next token: RLD holds right after

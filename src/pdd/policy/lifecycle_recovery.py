@@ -105,8 +105,7 @@ class RecoveryRules:
         self._drop_md(why)
         if self.session is not None and not self.session.state.terminal:
             self.session.on_failed(now, why)
-        self.overlap_from, self.md_end = None, None
-        self.md_ahead.clear()
+        self._end_overlap()
         self._resume_paused_rld(now)
 
     def _resume_paused_rld(self, now: float) -> None:
