@@ -77,12 +77,12 @@ def test_goodput_and_bcr_by_hand():
 
 
 def test_handoff_gap_ratio():
-    a = rec("a", 0.0, [0.1, 0.2, 0.3, 0.8], handoff_gap_s=0.5)   # gaps 0.1, 0.1, 0.5
+    a = rec("a", 0.0, [0.1, 0.2, 0.3, 0.8], handoff_gap_s=0.5, rld_tokens=3)   # gaps 0.1, 0.1, 0.5
     b = rec("b", 0.0, [0.1, 0.2, 0.3])
     assert handoff_gap_ratio([a, b]) == pytest.approx(5.0)       # 0.5 / median 0.1
     assert handoff_gap_ratio([b]) is None
-    c = rec("c", 0.0, [0.1, 0.2, 0.3, 0.5], handoff_gap_s=0.2)
-    d = rec("d", 0.0, [0.1, 0.2, 0.3, 0.6], handoff_gap_s=0.3)
+    c = rec("c", 0.0, [0.1, 0.2, 0.3, 0.5], handoff_gap_s=0.2, rld_tokens=3)
+    d = rec("d", 0.0, [0.1, 0.2, 0.3, 0.6], handoff_gap_s=0.3, rld_tokens=3)
     assert handoff_gap_ratio([a, c, d]) == pytest.approx(5.0)        # the largest
     assert handoff_gap_ratio([a, c, d], 50) == pytest.approx(3.0)    # the median handoff's: 0.3 / 0.1
 
@@ -96,6 +96,19 @@ def test_first_gap_ratio_counts_only_first_tokens_from_p():
     assert first_gap_ratio([a, b, c], 50) == pytest.approx(2.5)      # median of 0.3 and 0.2
     m = summarize_mode([a, b, c], Sla(1.0, 1.0), 1.0, 1.0)
     assert m["num_first_from_p"] == 2 and m["first_gap_ratio"] == pytest.approx(3.0)
+
+
+def test_a_relay_relieved_before_rld_decoded_is_an_early_first_token_not_a_handoff():
+    """RLD passed on P's first token only (rld_tokens 1) when MD took over: the
+    user's wait for MD's first token is the early first token's gap; a switch
+    from RLD's own decoding (rld_tokens >= 2) is a handoff."""
+    early = rec("e", 0.0, [0.1, 0.5, 0.6, 0.7], handoff_gap_s=0.4, rld_tokens=1)
+    switch = rec("s", 0.0, [0.1, 0.2, 0.4, 0.5], handoff_gap_s=0.2, rld_tokens=2)
+    plain = rec("p", 0.0, [0.1, 0.2, 0.3, 0.4])
+    assert handoff_gap_ratio([early, switch, plain]) == pytest.approx(2.0)     # 0.2 / median 0.1
+    assert first_gap_ratio([early, switch, plain]) == pytest.approx(4.0)       # 0.4 / 0.1
+    m = summarize_mode([early, switch, plain], Sla(1.0, 1.0), 1.0, 1.0)
+    assert m["num_handoffs"] == 1 and m["num_first_from_p"] == 1
 
 
 def test_relative_change_and_cost_per_token():

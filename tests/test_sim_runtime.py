@@ -704,3 +704,32 @@ def test_blocks_landed_at_the_head_of_a_copy_still_crossing_are_not_sent_again(t
     assert by_id["a"].wan_bytes == 37 * block_bytes
     assert by_id["b"].wan_bytes == 37 * block_bytes    # P computes a's prefix: nothing landed yet at b's HAVE
     assert by_id["c"].wan_bytes == 31 * block_bytes    # b's copy brought the six shared blocks first
+
+
+def test_calibration_measures_the_wan_handshake_past_the_lines_round_trip(tmp_path):
+    """The handshakes P's sender timed (records.jsonl) beyond the line's nominal
+    round trip, as bytes at the line's rate; sibling waits (>= 1 s) left out.
+    Replaying, a transfer's BEGIN waits at least that long on the line."""
+    from pdd.sim.link import Link
+
+    run = _fake_run(tmp_path)
+    line = load_spec(run / "pdd" / "deploy.toml").links[0]
+    rate, nominal = line.bandwidth_mbps * 1e6 / 8, (2 * line.latency_ms + line.jitter_ms) / 1e3
+    shakes = [nominal + 0.010, nominal + 0.030, nominal + 0.050, 4.0]        # the last: a sibling wait
+    with open(run / "pdd" / "records.jsonl", "w") as f:
+        for k, h in enumerate(shakes):
+            events = [{"name": "kv_transfer", "link": "wan", "handshake_s": h},
+                      {"name": "kv_transfer", "link": "local", "handshake_s": 0.5}]
+            f.write(json.dumps({"request_id": f"r{k}", "events": events}) + "\n")
+    cal = fit([run], get_model("smollm2-135m"))
+    assert cal.handshake_queue_bytes("wan", "pdd") == pytest.approx(0.030 * rate)
+    assert cal.handshake_queue_bytes("wan", "pd-local") == pytest.approx(0.030 * rate)   # pooled
+    assert cal.handshake_queue_bytes("local", "pdd") == 0.0
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert CpuCalibration.read(path).handshake_queue == cal.handshake_queue
+    mode = mode_from_spec(load_spec(run / "pdd" / "deploy.toml"), calibration=cal, run="pdd")
+    assert mode.wan.handshake_queue_bytes == pytest.approx(0.030 * rate)
+    idle = Link("wan", rate, nominal, handshake_queue_bytes=mode.wan.handshake_queue_bytes)
+    assert idle.queue_s(0.0) == pytest.approx(0.030)
+    assert Link("wan", rate, nominal).queue_s(0.0) == 0.0

@@ -86,17 +86,33 @@ def _over_median_itl(gaps: list[float], records: list[RequestRecord], q: float |
     return gap / med if med > 0 else None
 
 
+def is_handoff(r: RequestRecord) -> bool:
+    """MD took the stream over from RLD's own decoding: RLD made at least one
+    token after P's first. A relayed request whose KV reached MD before RLD's
+    first decode step hands over nothing (the user has P's token only, as RLD
+    passed it on), and its wait for MD's first token is the early first
+    token's (`first_token_early`), as with a direct request's token from P."""
+    return r.handoff_gap_s is not None and r.rld_tokens >= 2
+
+
+def first_token_early(r: RequestRecord) -> bool:
+    """The user had P's first token before a decoder's: sent by P itself
+    (direct) or by RLD, which MD then relieved before RLD decoded any."""
+    return r.first_token_from_p or (r.handoff_gap_s is not None and r.rld_tokens == 1)
+
+
 def handoff_gap_ratio(records: list[RequestRecord], q: float | None = None) -> float | None:
-    """Largest inter-token gap at a handoff divided by the median inter-token
-    gap; with q, that percentile of the handoffs' gaps instead of the largest."""
-    return _over_median_itl([r.handoff_gap_s for r in records if r.handoff_gap_s is not None], records, q)
+    """Largest inter-token gap at a handoff (`is_handoff`) divided by the median
+    inter-token gap; with q, that percentile of the handoffs' gaps instead of
+    the largest."""
+    return _over_median_itl([r.handoff_gap_s for r in records if is_handoff(r)], records, q)
 
 
 def first_gap_ratio(records: list[RequestRecord], q: float | None = None) -> float | None:
-    """For requests whose first token came from P: the gap before the
-    second (the wait for MD the early token moved out of TTFT) over the
-    median inter-token gap; the largest, or with q that percentile."""
-    return _over_median_itl([r.itls_s[0] for r in records if r.first_token_from_p and not r.failed and r.itls_s],
+    """For requests whose first token came early (`first_token_early`): the
+    gap before the second (the wait for MD the early token moved out of TTFT)
+    over the median inter-token gap; the largest, or with q that percentile."""
+    return _over_median_itl([r.itls_s[0] for r in records if first_token_early(r) and not r.failed and r.itls_s],
                             records, q)
 
 
@@ -144,10 +160,10 @@ def summarize_mode(
         "rld_token_share": (sum(r.rld_tokens for r in ok) / total_out) if total_out else 0.0,
         "handoff_gap_ratio": handoff_gap_ratio(records),
         "handoff_gap_ratio_p50": handoff_gap_ratio(records, 50),
-        "num_handoffs": sum(1 for r in records if r.handoff_gap_s is not None),
+        "num_handoffs": sum(1 for r in records if is_handoff(r)),
         "first_gap_ratio": first_gap_ratio(records),
         "first_gap_ratio_p50": first_gap_ratio(records, 50),
-        "num_first_from_p": sum(1 for r in records if r.first_token_from_p),
+        "num_first_from_p": sum(1 for r in records if first_token_early(r)),
         "prefix_hit_rate": (
             sum(r.cached_tokens for r in records) / max(1, sum(r.prompt_tokens for r in records))
         ),

@@ -62,7 +62,8 @@ class RouterMetrics:
         if t.handoff_mode and t.handoff_gap_s is not None:
             self.handoffs.labels(t.handoff_mode).inc()
             self.handoff_batches.observe(t.handoff_batches)
-            self.handoff_gap.observe(t.handoff_gap_s)
+            if t.rld_tokens >= 2:       # RLD decoded: a switch the user sees (`measure.metrics.is_handoff`)
+                self.handoff_gap.observe(t.handoff_gap_s)
         for ev in t.events:
             if ev["name"] == "kv_transfer" and ev.get("ok") and ev.get("link"):
                 self.kv_landed.labels(ev["link"]).observe(ev["ts"] - t.arrival_s)

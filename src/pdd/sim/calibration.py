@@ -43,7 +43,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pdd.sim.calibration_steps import load_records, read_records, role_group, transfer_rates
+from pdd.sim.calibration_steps import handshake_queues, load_records, read_records, role_group, transfer_rates
 from pdd.sim.cost_model import CostModel, StepShape, calibrate, row_bucket
 from pdd.sim.hardware import get_profile
 from pdd.sim.model_shape import ModelShape
@@ -100,6 +100,10 @@ class CpuCalibration:
     # Throughput of a core two busy engines time-slice, relative to one
     # engine alone (`core_sharing`); 1.0 without shared-core steps to tell.
     core_sharing: float = 1.0
+    # Per run and link: bytes of other transfers a handshake's frames met in
+    # the line's buffers beyond what the simulated line holds, on average
+    # (`calibration_steps.handshake_queues`); "all" pools the runs.
+    handshake_queue: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def fit_for(self, num_threads: int, role: str | None = None) -> ThreadFit | None:
         """The role's own fit at this thread count, else the pooled one.
@@ -132,6 +136,13 @@ class CpuCalibration:
                 return self.transfer[key][link]
         return None
 
+    def handshake_queue_bytes(self, link: str, run: str | None) -> float:
+        """Bytes ahead of a handshake on `link` (the run's, else pooled; 0 unmeasured)."""
+        for key in (run, "all"):
+            if key is not None and link in self.handshake_queue.get(key, {}):
+                return self.handshake_queue[key][link]
+        return 0.0
+
     def to_dict(self) -> dict:
         dump = lambda fits: {str(k): {**vars(f), "instances": list(f.instances),
                                       "row_factors": list(f.row_factors)}
@@ -139,7 +150,8 @@ class CpuCalibration:
         return {"model": self.model, "hardware": "cpu", "fits": dump(self.fits),
                 "role_fits": {g: dump(f) for g, f in sorted(self.role_fits.items())},
                 "load": dict(self.load), "instance_load": dict(self.instance_load),
-                "core_sharing": self.core_sharing, "transfer": self.transfer}
+                "core_sharing": self.core_sharing, "transfer": self.transfer,
+                "handshake_queue": self.handshake_queue}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CpuCalibration":
@@ -149,7 +161,8 @@ class CpuCalibration:
         return cls(d.get("model", "?"), read(d.get("fits", {})), dict(d.get("load", {})),
                    dict(d.get("transfer", {})),
                    {g: read(f) for g, f in d.get("role_fits", {}).items()},
-                   dict(d.get("instance_load", {})), float(d.get("core_sharing", 1.0)))
+                   dict(d.get("instance_load", {})), float(d.get("core_sharing", 1.0)),
+                   dict(d.get("handshake_queue", {})))
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -246,7 +259,7 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
         return speed * m.step_time(StepShape.from_record(r)) * _row_factor(r, rows)
     sharing = core_sharing([r for r in every if (r["threads"], r["group"]) in models], alone_s)
     return CpuCalibration(model.name, fits, load, transfer_rates(paths), role_fits, instance_load,
-                          1.0 if sharing is None else sharing)
+                          1.0 if sharing is None else sharing, handshake_queues(paths))
 
 
 def _alone_speeds(by_threads: dict[int, list[dict]], pooled: dict[int, CostModel],

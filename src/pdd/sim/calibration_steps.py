@@ -138,3 +138,47 @@ def transfer_rates(paths: list[Path]) -> dict[str, dict[str, float]]:
                     totals.setdefault(run, {}).setdefault(link[1], [0.0, 0.0])[k] += float(m["value"])
     return {run: {link: b / s for link, (b, s) in links.items() if b > 0 and s > 0}
             for run, links in totals.items()}
+
+
+# A handshake slower than this waited for something the simulator models
+# itself (the receiver holds HAVE while another transfer brings the same
+# blocks, `kv_arrivals._wait_for_siblings`): left out of the line's excess.
+HANDSHAKE_SIBLING_S = 1.0
+
+
+def handshake_queues(paths: list[Path]) -> dict[str, dict[str, float]]:
+    """{run: {"wan": bytes}}: how far the WAN's handshakes (BEGIN -> HAVE, as
+    P's sender timed them in records.jsonl) ran past the line's nominal round
+    trip (2 x latency + jitter, the simulator's), on average, expressed as
+    bytes at the line's rate; "all" pools the runs, weighted by transfers.
+
+    Measured on the AMD EPYC (wan-bound-55..57 at 24 Mbit/s): the handshakes
+    took 73 ms on average against a nominal 45 ms, 47-51 ms at 96 Mbit/s:
+    about the same bytes (~85 KB) of other transfers ahead of the small
+    BEGIN and HAVE frames in the relay's buffers, which the simulator's
+    line holds only while a flow keeps it full (`Link.queue_s`)."""
+    from pdd.deploy.spec import load_spec
+
+    sums: dict[str, list[float]] = {}
+    for f in step_files(paths):
+        deploy, recs = f.parent / "deploy.toml", f.parent / "records.jsonl"
+        if not deploy.is_file() or not recs.is_file():
+            continue
+        links = load_spec(deploy).links
+        if len(links) != 1:
+            continue
+        line = links[0]
+        rate = line.bandwidth_mbps * 1e6 / 8
+        nominal = (2 * line.latency_ms + line.jitter_ms) / 1e3
+        for text in recs.read_text().splitlines():
+            if not text.strip():
+                continue
+            for ev in json.loads(text).get("events") or ():
+                h = ev.get("handshake_s")
+                if ev.get("name") != "kv_transfer" or ev.get("link") != "wan" or not h or h >= HANDSHAKE_SIBLING_S:
+                    continue
+                for run in (f.parent.name, "all"):
+                    acc = sums.setdefault(run, [0.0, 0.0])
+                    acc[0] += (h - nominal) * rate
+                    acc[1] += 1
+    return {run: {"wan": max(b / n, 0.0)} for run, (b, n) in sums.items() if n}

@@ -116,6 +116,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
                                      buffer_bytes=mode.wan.buffer_bytes,
                                      yield_leak_bytes=mode.wan.yield_leak_bytes,
                                      tail_release_bytes=mode.wan.tail_release_bytes,
+                                     handshake_queue_bytes=mode.wan.handshake_queue_bytes,
                                      background_pace_bytes_s=copy_pace_bytes_s(
                                          mode.wan.bandwidth_bytes_s, senders, self.cfg.copy_pace))
         self.estimators = {name: LinkEstimator.from_line(l.bandwidth_bytes_s * 8, l.rtt_s / 2)

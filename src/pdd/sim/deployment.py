@@ -181,7 +181,9 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
         wan = LinkSpec(gbps=line, rtt_ms=2 * link.latency_ms + link.jitter_ms, max_flow_gbps=cap,
                        price_per_hour=link.cost_per_hour, buffer_bytes=0.75 * limit if on else 0.0,
                        yield_leak_bytes=opts.sender_socket_bytes if on else 0.0,
-                       tail_release_bytes=opts.sender_socket_bytes if on else 0.0)
+                       tail_release_bytes=opts.sender_socket_bytes if on else 0.0,
+                       handshake_queue_bytes=calibration.handshake_queue_bytes("wan", run)
+                       if calibration is not None and on else 0.0)
     roles = {i.role for i in spec.instances}
     match = DeployRole.MAIN in roles or (DeployRole.COLOCATED in roles and len(spec.instances) > 1)
     serving = ServingOverheads(spec.router_datacenter, opts.request_s, opts.token_s, match,

@@ -53,8 +53,9 @@ held below the line's rate, their sender keeps no bytes in the buffers
 ahead of the line, so they have no lead when a foreground flow starts.
 
 A transfer pays one RTT of handshake (BEGIN -> HAVE) before its bytes flow,
-and its BEGIN waits in the line's buffer while flows keep it full
-(`queue_s`); the caller delays `add` by those, which keeps this class about
+and its BEGIN waits in the line's buffer while flows keep it full, and
+at least for the bytes a real line's handshakes met there on average,
+measured (`handshake_queue_bytes`; `queue_s`); the caller delays `add` by those, which keeps this class about
 bandwidth only.
 """
 
@@ -93,7 +94,7 @@ class Link:
                  max_flow_bytes_s: float | None = None, shared_efficiency: float = 1.0,
                  max_yield_s: float = math.inf, buffer_bytes: float = 0.0,
                  yield_leak_bytes: float | None = None, background_pace_bytes_s: float | None = None,
-                 tail_release_bytes: float = 0.0) -> None:
+                 tail_release_bytes: float = 0.0, handshake_queue_bytes: float = 0.0) -> None:
         if bandwidth_bytes_s <= 0 or rtt_s < 0:
             raise ValueError(f"{name}: bandwidth must be > 0 and rtt >= 0")
         self.name = name
@@ -122,6 +123,11 @@ class Link:
         if tail_release_bytes < 0:
             raise ValueError(f"{name}: tail_release_bytes must be >= 0")
         self.tail_release_bytes = tail_release_bytes
+        # What a handshake's frames meet in the line's buffers at least, on
+        # average, as measured (`CpuCalibration.handshake_queue`; 0: none).
+        if handshake_queue_bytes < 0:
+            raise ValueError(f"{name}: handshake_queue_bytes must be >= 0")
+        self.handshake_queue_bytes = handshake_queue_bytes
         self.flows: dict[str, Flow] = {}
         self.version = 0
         self.up = True
@@ -319,14 +325,15 @@ class Link:
     def queue_s(self, now: float) -> float:
         """How long a message handed to the line now (a transfer's BEGIN)
         waits in its buffer: the buffer's bytes at the line's rate while some
-        flow keeps it full, else 0."""
+        flow keeps it full, and at least the measured handshake queue."""
         self._advance(now)
+        floor = self.handshake_queue_bytes / self.bandwidth_bytes_s
         if self.buffer_bytes <= 0:
-            return 0.0
+            return floor
         held = sum(f.lead for f in self.flows.values())
         if not held and self._filling():
             held = self.buffer_bytes
-        return min(held, self.buffer_bytes) / self.bandwidth_bytes_s
+        return max(min(held, self.buffer_bytes) / self.bandwidth_bytes_s, floor)
 
     def progress(self, now: float, flow_id: str, made_bytes: float,
                  cap_bytes_s: float | None = None) -> tuple[float, int] | None:

@@ -110,6 +110,10 @@ class LinkSpec:
     # ... and what of a transfer a user waits on is still to cross when its
     # sender lets the yielding copies go again (its socket's buffer; 0: none).
     tail_release_bytes: float = 0.0
+    # Bytes of other transfers a handshake's frames (BEGIN, HAVE) meet in the
+    # line's buffers on average, measured (`CpuCalibration.handshake_queue`):
+    # a BEGIN waits at least that long at the line's rate.
+    handshake_queue_bytes: float = 0.0
 
     @property
     def bandwidth_bytes_s(self) -> float:
