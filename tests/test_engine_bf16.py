@@ -39,6 +39,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import attention_helpers as helpers
+from attention_helpers import prompt, run
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
 from pdd.engine.kv_codec import KVImportError
@@ -63,28 +65,7 @@ def tiny_bf16(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def tiny64_bf16(tmp_path_factory, smollm2_dir):
-    """A tiny random Llama whose heads are 64 wide (our bf16 kernel's head size; the
-    tiny model's are 16): 4 query heads over 2 KV heads, 2 layers, SmolLM2's vocabulary."""
-    from pdd.model.loader import load_model, make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny64") / "m", seed=3, hidden_size=256, num_heads=4,
-                           num_kv_heads=2, intermediate_size=256, tokenizer_from=smollm2_dir)
-    return load_model(path, torch.bfloat16)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 5000) for _ in range(n)]
-
-
-def run(engine: Engine, reqs: list[EngineRequest], max_steps: int = 500) -> None:
-    for r in reqs:
-        engine.submit(r)
-    for _ in range(max_steps):
-        if not engine.has_work:
-            return
-        engine.step()
-    raise AssertionError("engine did not finish within the step bound")
+    return helpers.tiny64(tmp_path_factory, smollm2_dir, torch.bfloat16)
 
 
 def greedy(n: int) -> SamplingParams:

@@ -15,15 +15,20 @@ kernel: tests/test_native_attention_f32.py.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
+import attention_helpers as helpers
+from attention_helpers import BS, D, H, KVH
 from pdd.engine import native_attention as na
 from pdd.engine.config import EngineConfig
 
 needs_kernel = pytest.mark.skipif(not na.available(), reason=f"bf16 kernel: {na.unavailable_reason()}")
+pool_context = partial(helpers.pool_context, dtype=torch.bfloat16)
+qkv = partial(helpers.qkv, dtype=torch.bfloat16)
 
-H, KVH, D, BS = 9, 3, 64, 16
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, causal: bool = True) -> torch.Tensor:
@@ -43,22 +48,6 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     err = (got.float() - want).abs()
     bound = want.abs().max() / 64 + want.abs() / 128
     assert (err <= bound).all(), f"max error {err.max().item():.4g}, worst excess {(err - bound).max().item():.4g}"
-
-
-def pool_context(gen: torch.Generator, prefix: int, slots: int = 4096):
-    """A pool [2, slots, KVH, D] in bf16, a shuffled block table covering `prefix` tokens,
-    and those tokens' K / V read through it."""
-    pool = torch.randn(2, slots, KVH, D, generator=gen).bfloat16()
-    nblk = -(-prefix // BS)
-    table = torch.randperm(slots // BS, generator=gen)[:nblk].long()
-    idx = (table.repeat_interleave(BS) * BS + torch.arange(BS).repeat(nblk))[:prefix]
-    return pool, table, pool[0][idx], pool[1][idx]
-
-
-def qkv(gen: torch.Generator, n: int):
-    """q, k, v as the model makes them: views of one fused [n, H + 2 KVH, D] output."""
-    out = torch.randn(n, H + 2 * KVH, D, generator=gen).bfloat16()
-    return out[:, :H], out[:, H : H + KVH], out[:, H + KVH :]
 
 
 @needs_kernel

@@ -13,19 +13,22 @@ engine (extend = step by step, catch-up handoff) rest on.
 
 from __future__ import annotations
 
-import random
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import attention_helpers as helpers
+from attention_helpers import BS, D, H, KVH, prompt, run
 from pdd.engine import native_attention as na
 
 needs_kernel = pytest.mark.skipif(not na.available(torch.float32),
                                   reason=f"fp32 kernel: {na.unavailable_reason(torch.float32)}")
 
-H, KVH, D, BS = 9, 3, 64, 16
 RTOL = 1e-5
+pool_context = partial(helpers.pool_context, dtype=torch.float32)
+qkv = partial(helpers.qkv, dtype=torch.float32)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, causal: bool = True) -> torch.Tensor:
@@ -42,22 +45,6 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     err = (got - want).abs()
     bound = RTOL * (want.abs().max() + want.abs())
     assert (err <= bound).all(), f"max error {err.max().item():.4g}, worst excess {(err - bound).max().item():.4g}"
-
-
-def pool_context(gen: torch.Generator, prefix: int, slots: int = 4096):
-    """A pool [2, slots, KVH, D], a shuffled block table covering `prefix` tokens, and
-    those tokens' K / V read through it."""
-    pool = torch.randn(2, slots, KVH, D, generator=gen)
-    nblk = -(-prefix // BS)
-    table = torch.randperm(slots // BS, generator=gen)[:nblk].long()
-    idx = (table.repeat_interleave(BS) * BS + torch.arange(BS).repeat(nblk))[:prefix]
-    return pool, table, pool[0][idx], pool[1][idx]
-
-
-def qkv(gen: torch.Generator, n: int, scale: float = 1.0):
-    """q, k, v as the model makes them: views of one fused [n, H + 2 KVH, D] output."""
-    out = torch.randn(n, H + 2 * KVH, D, generator=gen) * scale
-    return out[:, :H], out[:, H : H + KVH], out[:, H + KVH :]
 
 
 # odd lengths, and contexts ending just before, at and after the kernel's 64-key blocks
@@ -178,28 +165,7 @@ def test_auto_takes_it_on_one_thread_and_native_insists(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny64(tmp_path_factory, smollm2_dir):
-    """A tiny random Llama in fp32 whose heads are 64 wide (the kernel's; the tiny
-    model's are 16): 4 query heads over 2 KV heads, 2 layers, SmolLM2's vocabulary."""
-    from pdd.model.loader import load_model, make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny64f") / "m", seed=3, hidden_size=256, num_heads=4,
-                           num_kv_heads=2, intermediate_size=256, tokenizer_from=smollm2_dir)
-    return load_model(path, torch.float32)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 5000) for _ in range(n)]
-
-
-def run(engine, reqs, max_steps: int = 500) -> None:
-    for r in reqs:
-        engine.submit(r)
-    for _ in range(max_steps):
-        if not engine.has_work:
-            return
-        engine.step()
-    raise AssertionError("engine did not finish within the step bound")
+    return helpers.tiny64(tmp_path_factory, smollm2_dir, torch.float32)
 
 
 @needs_kernel

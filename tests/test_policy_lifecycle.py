@@ -349,6 +349,22 @@ def test_overlap_judges_rld_by_this_requests_own_token_gaps(gap_s, view_s, overl
     assert (lc.session.mode.value == "overlap") is overlap
 
 
+def test_one_slow_gap_does_not_make_a_fast_rld_slow():
+    """RLD's pace is the median of its last gaps: one slow gap (P's chunk beside
+    RLD's step) among fast ones keeps the paused handoff for an MD that would
+    not overtake RLD; a run of slow gaps chooses the overlap."""
+    for gaps, overlap in (([0.04, 0.04, 0.04, 0.12, 0.04], False), ([0.04, 0.12, 0.13, 0.12, 0.04], True)):
+        lc, _ = started(RELAY, max_tokens=40, cfg=PolicyConfig())
+        lc.handle(Prefilled(0.5, ref(0)))
+        lc.handle(TransferEnded(0.6, "r0", True))
+        t = 1.0
+        for i, gap in enumerate([0.04] + gaps):
+            t += gap
+            lc.handle(DecodeToken(t, Leg.RLD, i, ref(i), rld_view()))
+        lc.handle(KvReady(t + 0.01, rld_view(), md=md_view(0.04)))
+        assert (lc.session.mode.value == "overlap") is overlap, gaps
+
+
 def test_filtered_request_is_rld_only_and_warms_md_with_its_shared_prefix():
     lc, cmds = started(FILTERED, warm_blocks=4)
     assert of(cmds, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False)]

@@ -136,7 +136,8 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str, source: Path, flags: tuple[str, ...]) -> Path:
-    src = source.read_bytes()
+    # The kernels' shared headers (csrc/*.h) are part of what is built.
+    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(src + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     out = default_cache_dir() / "kernels" / key / f"{source.stem}.so"

@@ -6,29 +6,15 @@
    each load; softmax runs online in fp32 over blocks of 64 keys; the probabilities are rounded
    to bf16 for P x V, as GPU flash kernels do, and the row sums add the rounded values, so the
    weights used sum to one. Scores and output accumulate in fp32. */
-#include <immintrin.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
 
 typedef uint16_t bf16;
+#define ELEM bf16
+#define ATTEND pdd_attend_bf16
+#define ATTEND_STEP pdd_attend_bf16_step
+#include "attention_common.h"
 
-/* What a query attends: `prefix` tokens read from the paged pool through a block table,
-   then `nown` tokens of its own (the chunk's K/V as the model computed them). */
-typedef struct {
-    const bf16 *kpool, *vpool;   /* one layer's K and V: [slots, KVH, D] */
-    long pool_ts;                /* elements between slots (KVH * D) */
-    const int64_t *table;        /* block ids */
-    int block_size, prefix;
-    const bf16 *kown, *vown;     /* [nown, KVH, D], token stride own_ts */
-    long own_ts;
-    int nown;
-} Context;
-#define D 64
 #define NP (D / 2)          /* bf16 pairs in a row */
-#define KB 64               /* keys per softmax block */
-#define RT 4                /* query rows per tile */
 
 static __thread uint32_t *kbuf = NULL, *vbuf = NULL;
 static __thread size_t cap = 0;
@@ -43,24 +29,8 @@ static int grow(size_t keys) {
     return 0;
 }
 
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* K of one KV head, packed so that vector (block b, pair p) holds pair p of keys 16b..16b+15;
-   V packed so that vector (key pair m, dims 16c..16c+15) holds both keys' values, interleaved. */
+/* Key j's K (v = 0) or V (v = 1) row of KV head h: in the pool through the block table, or
+   among the step's own tokens. */
 static inline const bf16 *key_row(const Context *c, size_t j, int h, int v) {
     if (j < (size_t)c->prefix) {
         long slot = c->table[j / c->block_size] * c->block_size + (long)(j % c->block_size);
@@ -69,32 +39,12 @@ static inline const bf16 *key_row(const Context *c, size_t j, int h, int v) {
     return (v ? c->vown : c->kown) + (long)(j - c->prefix) * c->own_ts + (long)h * D;
 }
 
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 16; i += 8)
-        for (int k = 0; k < 4; k++) {
-            t[i + k] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0x88);
-            t[i + k + 4] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0xdd);
-        }
-    for (int k = 0; k < 8; k++) {
-        r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
-        r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
-    }
-}
+/* prepare: nothing per call (key_row finds each key where it is, once a KV head). */
+static inline void prepare(const Context *c) { (void)c; }
 
-static const bf16 zero_row[D] __attribute__((aligned(64)));
-
-static void pack(int h, const Context *c, size_t N, size_t npad) {
+/* K of one KV head, packed so that vector (block b, pair p) holds pair p of keys 16b..16b+15;
+   V packed so that vector (key pair m, dims 16c..16c+15) holds both keys' values, interleaved. */
+static void pack(const Context *c, int h, size_t N, size_t npad) {
     /* K: 16 keys at a time, their rows transposed as 32-bit pairs */
     for (size_t j0 = 0; j0 < npad; j0 += 16) {
         __m512i lo[16], hi[16];
@@ -126,10 +76,6 @@ static void pack(int h, const Context *c, size_t N, size_t npad) {
         _mm512_store_si512(vd + 64, _mm512_permutex2var_epi16(a1, lo_idx, b1));
         _mm512_store_si512(vd + 96, _mm512_permutex2var_epi16(a1, hi_idx, b1));
     }
-}
-
-static inline float hmax(__m512 a, __m512 b, __m512 c, __m512 d) {
-    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a, b), _mm512_max_ps(c, d)));
 }
 
 /* Rows r0 .. r0 + rt - 1 of KV head h (row = token x G + query head of h; past `rows`
@@ -239,64 +185,4 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-/* One sequence: q's n tokens (x H heads x D, token stride q_ts, head stride D) at positions
-   pos0.. of the context `c` (causal: token t sees keys 0..pos0+t, else every key) -> out
-   (token stride o_ts). */
-static int attend_one(const Context *cp, const bf16 *q, long q_ts, int n, int H, int KVH, int pos0,
-                      int causal, float scale, bf16 *out, long o_ts) {
-    const Context c = *cp;
-    size_t N = (size_t)c.prefix + c.nown;
-    size_t npad = (N + KB - 1) / KB * KB;
-    if (grow(npad)) return -2;
-    const int G = H / KVH;
-    const int rows = n * G;
-    /* a decode of 3 query heads a KV head: tiles of 3, none wasted */
-    const int rt = rows % RT && rows % 3 == 0 && rows <= 4 * RT ? 3 : RT;
-    for (int h = 0; h < KVH; h++) {
-        pack(h, &c, N, npad);
-        for (int r0 = 0; r0 < rows; r0 += rt) {
-            if (rt == 3) tile(3, h, r0, rows, G, N, q, q_ts, pos0, causal, scale, out, o_ts);
-            else tile(4, h, r0, rows, G, N, q, q_ts, pos0, causal, scale, out, o_ts);
-        }
-    }
-    return 0;
-}
-
-static int shape_ok(int H, int KVH, int head_dim) {
-    return head_dim == D && KVH > 0 && H > 0 && H % KVH == 0;
-}
-
-/* One sequence's n queries over `prefix` tokens of the pool (through `table`) and `nown`
-   tokens of its own. Returns 0, or < 0 for shapes this kernel does not take (-1) or no
-   memory (-2). */
-int pdd_attend_bf16(const bf16 *q, long q_ts, int n, int H, int KVH, int head_dim,
-                    const bf16 *kpool, const bf16 *vpool, long pool_ts, const int64_t *table,
-                    int block_size, int prefix, const bf16 *kown, const bf16 *vown, long own_ts, int nown,
-                    int pos0, int causal, float scale, bf16 *out, long o_ts) {
-    if (!shape_ok(H, KVH, head_dim) || n <= 0 || prefix < 0 || nown < 0 || pos0 < 0
-        || pos0 + n > prefix + nown || (prefix > 0 && block_size <= 0))
-        return -1;
-    Context c = {kpool, vpool, pool_ts, table, block_size, prefix, kown, vown, own_ts, nown};
-    return attend_one(&c, q, q_ts, n, H, KVH, pos0, causal, scale, out, o_ts);
-}
-
-/* A step's sequences in one call (one layer): sequence i's tokens are rows tok[i] ..
-   tok[i] + num[i] - 1 of q, k and v (token strides q_ts, own_ts) and of out (o_ts); its
-   context is the `start[i]` tokens before them, in the pool through the block ids
-   tables[table_off[i]..], then its own tokens, attended causally. */
-int pdd_attend_bf16_step(int nseq, const int64_t *tok, const int64_t *num, const int64_t *start,
-                         const int64_t *tables, const int64_t *table_off, int H, int KVH, int head_dim,
-                         const bf16 *q, long q_ts, const bf16 *k, const bf16 *v, long own_ts,
-                         const bf16 *kpool, const bf16 *vpool, long pool_ts, int block_size,
-                         float scale, bf16 *out, long o_ts) {
-    if (!shape_ok(H, KVH, head_dim) || block_size <= 0) return -1;
-    for (int i = 0; i < nseq; i++) {
-        if (num[i] <= 0 || start[i] < 0) return -1;
-        Context c = {kpool, vpool, pool_ts, tables + table_off[i], block_size, (int)start[i],
-                     k + tok[i] * own_ts, v + tok[i] * own_ts, own_ts, (int)num[i]};
-        int rc = attend_one(&c, q + tok[i] * q_ts, q_ts, (int)num[i], H, KVH, (int)start[i], 1, scale,
-                            out + tok[i] * o_ts, o_ts);
-        if (rc) return rc;
-    }
-    return 0;
-}
+#include "attention_entry.h"

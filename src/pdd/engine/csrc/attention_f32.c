@@ -10,26 +10,10 @@
    V is never copied. Everything is fp32; each query row's result depends only on its own
    keys, never on which other rows share its tile or call, so a prompt chunk and the same
    tokens decoded one by one give equal bits (the engine's extend-equality tests rely on it). */
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-
-/* What a query attends: `prefix` tokens read from the paged pool through a block table,
-   then `nown` tokens of its own (the chunk's K/V as the model computed them). */
-typedef struct {
-    const float *kpool, *vpool;   /* one layer's K and V: [slots, KVH, D] */
-    long pool_ts;                 /* elements between slots (KVH * D) */
-    const int64_t *table;         /* block ids */
-    int block_size, prefix;
-    const float *kown, *vown;     /* [nown, KVH, D], token stride own_ts */
-    long own_ts;
-    int nown;
-} Context;
-#define D 64
-#define KB 64               /* keys per softmax block */
-#define RT 4                /* query rows per tile */
+#define ELEM float
+#define ATTEND pdd_attend_f32
+#define ATTEND_STEP pdd_attend_f32_step
+#include "attention_common.h"
 
 /* Per thread, grown to the longest context seen: packed K, and each key's K and V row
    (KV head 0; head h is h * D further), looked up once per call instead of per head and key. */
@@ -52,7 +36,8 @@ static int grow(size_t keys) {
     return 0;
 }
 
-static void find_rows(const Context *c) {
+/* Each key's K and V rows, looked up once per call for every KV head. */
+static void prepare(const Context *c) {
     size_t j = 0;
     for (int b = 0; j < (size_t)c->prefix; b++) {
         long slot = c->table[b] * c->block_size;
@@ -67,68 +52,22 @@ static void find_rows(const Context *c) {
     }
 }
 
-/* exp(x) for x <= 0: 2^n x a degree-6 polynomial of the remainder (relative error ~1e-7). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* 16 vectors of 16 floats transposed in registers: r[i] lane j <- r[j] lane i. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 16; i += 8)
-        for (int k = 0; k < 4; k++) {
-            t[i + k] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0x88);
-            t[i + k + 4] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0xdd);
-        }
-    for (int k = 0; k < 8; k++) {
-        r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
-        r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
-    }
-}
-
-static const float zero_row[D] __attribute__((aligned(64)));
-
 /* K of KV head h, keys 0 .. npad - 1 (zeros past N): group g of 16 keys at kbuf + 16 g D,
    dimension d of its keys at + 16 d. */
-static void pack(int h, size_t N, size_t npad) {
+static void pack(const Context *c, int h, size_t N, size_t npad) {
+    (void)c;                       /* its rows were found once for the call (prepare) */
     for (size_t j0 = 0; j0 < npad; j0 += 16) {
         float *kd = kbuf + j0 * D;
-        for (int c = 0; c < D / 16; c++) {
+        for (int part = 0; part < D / 16; part++) {
             __m512i r[16];
             for (int i = 0; i < 16; i++) {
                 const float *kr = j0 + i < N ? krow[j0 + i] + (long)h * D : zero_row;
-                r[i] = _mm512_loadu_si512(kr + 16 * c);
+                r[i] = _mm512_loadu_si512(kr + 16 * part);
             }
             transpose16(r);
-            for (int i = 0; i < 16; i++) _mm512_store_si512(kd + (16 * c + i) * 16, r[i]);
+            for (int i = 0; i < 16; i++) _mm512_store_si512(kd + (16 * part + i) * 16, r[i]);
         }
     }
-}
-
-static inline float hmax(__m512 a, __m512 b, __m512 c, __m512 d) {
-    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a, b), _mm512_max_ps(c, d)));
 }
 
 /* Rows r0 .. r0 + rt - 1 of KV head h (row = token x G + query head of h; past `rows`
@@ -236,64 +175,4 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-/* One sequence: q's n tokens (x H heads x D, token stride q_ts, head stride D) at positions
-   pos0.. of the context `c` (causal: token t sees keys 0..pos0+t, else every key) -> out
-   (token stride o_ts). */
-static int attend_one(const Context *c, const float *q, long q_ts, int n, int H, int KVH, int pos0,
-                      int causal, float scale, float *out, long o_ts) {
-    size_t N = (size_t)c->prefix + c->nown;
-    size_t npad = (N + KB - 1) / KB * KB;
-    if (grow(npad)) return -2;
-    find_rows(c);
-    const int G = H / KVH;
-    const int rows = n * G;
-    /* a decode of 3 query heads a KV head: tiles of 3, none wasted */
-    const int rt = rows % RT && rows % 3 == 0 && rows <= 4 * RT ? 3 : RT;
-    for (int h = 0; h < KVH; h++) {
-        pack(h, N, npad);
-        for (int r0 = 0; r0 < rows; r0 += rt) {
-            if (rt == 3) tile(3, h, r0, rows, G, N, q, q_ts, pos0, causal, scale, out, o_ts);
-            else tile(4, h, r0, rows, G, N, q, q_ts, pos0, causal, scale, out, o_ts);
-        }
-    }
-    return 0;
-}
-
-static int shape_ok(int H, int KVH, int head_dim) {
-    return head_dim == D && KVH > 0 && H > 0 && H % KVH == 0;
-}
-
-/* One sequence's n queries over `prefix` tokens of the pool (through `table`) and `nown`
-   tokens of its own. Returns 0, or < 0 for shapes this kernel does not take (-1) or no
-   memory (-2). */
-int pdd_attend_f32(const float *q, long q_ts, int n, int H, int KVH, int head_dim,
-                   const float *kpool, const float *vpool, long pool_ts, const int64_t *table,
-                   int block_size, int prefix, const float *kown, const float *vown, long own_ts, int nown,
-                   int pos0, int causal, float scale, float *out, long o_ts) {
-    if (!shape_ok(H, KVH, head_dim) || n <= 0 || prefix < 0 || nown < 0 || pos0 < 0
-        || pos0 + n > prefix + nown || (prefix > 0 && block_size <= 0))
-        return -1;
-    Context c = {kpool, vpool, pool_ts, table, block_size, prefix, kown, vown, own_ts, nown};
-    return attend_one(&c, q, q_ts, n, H, KVH, pos0, causal, scale, out, o_ts);
-}
-
-/* A step's sequences in one call (one layer): sequence i's tokens are rows tok[i] ..
-   tok[i] + num[i] - 1 of q, k and v (token strides q_ts, own_ts) and of out (o_ts); its
-   context is the `start[i]` tokens before them, in the pool through the block ids
-   tables[table_off[i]..], then its own tokens, attended causally. */
-int pdd_attend_f32_step(int nseq, const int64_t *tok, const int64_t *num, const int64_t *start,
-                        const int64_t *tables, const int64_t *table_off, int H, int KVH, int head_dim,
-                        const float *q, long q_ts, const float *k, const float *v, long own_ts,
-                        const float *kpool, const float *vpool, long pool_ts, int block_size,
-                        float scale, float *out, long o_ts) {
-    if (!shape_ok(H, KVH, head_dim) || block_size <= 0) return -1;
-    for (int i = 0; i < nseq; i++) {
-        if (num[i] <= 0 || start[i] < 0) return -1;
-        Context c = {kpool, vpool, pool_ts, tables + table_off[i], block_size, (int)start[i],
-                     k + tok[i] * own_ts, v + tok[i] * own_ts, own_ts, (int)num[i]};
-        int rc = attend_one(&c, q + tok[i] * q_ts, q_ts, (int)num[i], H, KVH, (int)start[i], 1, scale,
-                            out + tok[i] * o_ts, o_ts);
-        if (rc) return rc;
-    }
-    return 0;
-}
+#include "attention_entry.h"
