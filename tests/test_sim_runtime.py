@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from pdd.policy import Role
 from pdd.sim.bench_stream import BenchStream, chained_block_ids
 from pdd.sim.calibration import CpuCalibration, fit
 from pdd.sim.cluster import Cluster
-from pdd.sim.cost_model import CostModel, StepShape
+from pdd.sim.cost_model import CostModel, StepShape, row_bucket
 from pdd.sim.deployment import RuntimeOptions, mode_from_spec, model_shape
 from pdd.sim.hardware import get_profile
 from pdd.sim.model_shape import get_model
@@ -165,8 +166,9 @@ def fp32(toml_text: str) -> str:
     return "\n".join(line for line in toml_text.splitlines() if not line.startswith("dtype = "))
 
 
-def _fake_run(tmp_path: Path) -> Path:
-    """A bench result folder: pd-local at 1x, pdd at 1.4x (a busy machine)."""
+def _fake_run(tmp_path: Path, steps: int = 80) -> Path:
+    """A bench result folder: pd-local at 1x, pdd at 1.4x (a busy machine),
+    `steps` engine steps per instance."""
     true = CostModel(get_model("smollm2-135m"), get_profile("cpu"), mfu=0.3, mbu=0.5,
                      overhead_s=0.005, per_seq_s=0.01)
     rng = random.Random(0)
@@ -182,7 +184,7 @@ def _fake_run(tmp_path: Path) -> Path:
                 name = inst.name
                 # Instances sharing a core: their walls carry the neighbour's slices.
                 extra = 2.0 if inst.cpu is not None and cores.count(inst.cpu) > 1 else 1.0
-                for rec in _steps(true, rng, 80, scale * extra):
+                for rec in _steps(true, rng, steps, scale * extra):
                     f.write(json.dumps({"instance": name, **rec}) + "\n")
     return run
 
@@ -547,7 +549,9 @@ def test_calibration_measures_batch_kernels_and_a_shared_core(tmp_path):
     assert cal.core_sharing == pytest.approx(eff, abs=0.05)
     mode = mode_from_spec(spec, "pdd", cal, run="pdd")
     assert mode.core_sharing == cal.core_sharing
-    assert {p.name: p.row_factors for p in mode.pools}[md] == bf
+    own = cal.row_factors(1, "main", "pdd", md)         # the role's, times MD's own (noise here)
+    assert {p.name: p.row_factors for p in mode.pools}[md] == own
+    assert own == pytest.approx(bf, rel=0.03)
     again = CpuCalibration.from_dict(json.loads(json.dumps(cal.to_dict())))
     assert again.core_sharing == cal.core_sharing and again.fit_for(1, "relay").row_factors == bf
     # An instance's speed is its mean ratio (TPOT is a mean), a gross outlier left out.
@@ -733,3 +737,40 @@ def test_calibration_measures_the_wan_handshake_past_the_lines_round_trip(tmp_pa
     idle = Link("wan", rate, nominal, handshake_queue_bytes=mode.wan.handshake_queue_bytes)
     assert idle.queue_s(0.0) == pytest.approx(0.030)
     assert Link("wan", rate, nominal).queue_s(0.0) == 0.0
+
+
+def test_one_instances_slow_class_of_steps_is_its_own_not_its_roles(tmp_path):
+    """pd-local's P runs its chunks of 33-128 tokens 1.3x slower than its
+    other steps (and than the same deployment's P in another mode): the
+    calibration gives each P a factor of its own by row class over their
+    role's, the replay's pool of P takes it; a saved calibration keeps it; a
+    replayed run's own steps replace it. Decoders keep their role's."""
+    from pdd.sim.calibration import with_run_speeds
+
+    run = _fake_run(tmp_path, steps=800)
+    shutil.copytree(run / "pd-local", run / "pd-local-b")       # the same deployment, another mode
+    f = run / "pd-local" / "steps.jsonl"
+    rows = [json.loads(line) for line in f.read_text().splitlines()]
+    slow = lambda r: r["instance"] == "p0" and 33 <= r["num_prefill_tokens"] <= 128
+    f.write_text("".join(json.dumps(r | {"wall_s": r["wall_s"] * (1.3 if slow(r) else 1.0)}) + "\n" for r in rows))
+    cal = fit([run], get_model("smollm2-135m"))
+    assert {"pd-local/p0", "pd-local-b/p0"} <= set(cal.instance_rows)
+    mine = cal.row_factors(1, "prefill", "pd-local", "p0")
+    other = cal.row_factors(1, "prefill", "pd-local-b", "p0")
+    # the slow P against the other, class by class: 1.3 for the 65-128-token
+    # chunks (less the pull towards 1 of a class of ~25 steps), 1 for the 257-512-token ones
+    at = lambda fs, k: fs[k - 1] if k <= len(fs) else 1.0
+    ratio = lambda k: (cal.time_scale("pd-local", "p0") * at(mine, k)) / (cal.time_scale("pd-local-b", "p0") * at(other, k))
+    assert 1.15 < ratio(row_bucket(100)) < 1.32
+    assert ratio(row_bucket(400)) == pytest.approx(1.0, abs=0.05)
+    assert cal.row_factors(1, "decode", "pd-local", "d0") == cal.row_factors(1, "decode")
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert CpuCalibration.read(path).instance_rows == cal.instance_rows
+    spec = load_spec(run / "pd-local" / "deploy.toml")
+    pool = next(p for p in mode_from_spec(spec, calibration=cal, run="pd-local").pools if p.name == "p0")
+    assert pool.row_factors == mine
+    even = _fake_run(tmp_path / "again", steps=800)      # the same run without P's slow classes
+    again = with_run_speeds(cal, [even], get_model("smollm2-135m"))
+    flat = again.row_factors(1, "prefill", "pd-local", "p0")
+    assert at(flat, row_bucket(100)) / at(flat, row_bucket(400)) < at(mine, row_bucket(100)) / at(mine, row_bucket(400)) - 0.1

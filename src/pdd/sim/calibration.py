@@ -25,11 +25,14 @@ measured / fitted time of its own unshared steps (`instance_load`), else
 its run's `load` (against the pooled fit). Two more things the roofline
 cannot know are measured from the same steps: a step's factor by the
 number of rows it multiplies (`ThreadFit.row_factors`: the engine's kernels
-change with the rows), and what a core two engines time-slice keeps of its
+change with the rows; and each instance's own factor over its role's,
+`instance_rows`), and what a core two engines time-slice keeps of its
 speed (`core_sharing`, from the steps MD and RLD ran at the same time).
 
 The Prometheus text saved beside (metrics/*.prom) adds what KV transfers
-really achieve per link: bytes sent over seconds spent, per run.
+really achieve per link: bytes sent over seconds spent, per run; the
+records.jsonl beside, how long the WAN's handshakes took beyond the line's
+round trip (`handshake_queue`).
 
 Output: a `CpuCalibration`, saved as JSON, which `pdd sim --calibration`
 reads and `deployment.mode_from_spec` applies per instance and link.
@@ -104,6 +107,10 @@ class CpuCalibration:
     # the line's buffers beyond what the simulated line holds, on average
     # (`calibration_steps.handshake_queues`); "all" pools the runs.
     handshake_queue: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Per instance ("run/name"): its own factor by row class over its role's
+    # (`_instance_row_factors`); replaying that run, its steps of a class run
+    # at role factor x this.
+    instance_rows: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def fit_for(self, num_threads: int, role: str | None = None) -> ThreadFit | None:
         """The role's own fit at this thread count, else the pooled one.
@@ -136,6 +143,19 @@ class CpuCalibration:
                 return self.transfer[key][link]
         return None
 
+    def row_factors(self, num_threads: int, role: str, run: str | None = None,
+                    instance: str | None = None) -> tuple[float, ...]:
+        """A step's factor by row class on `instance` of `run`: its role's,
+        times the instance's own where measured."""
+        f = self.fit_for(num_threads, role)
+        base = f.row_factors if f is not None else ()
+        own = self.instance_rows.get(f"{run}/{instance}", ()) if run is not None and instance else ()
+        if not own:
+            return base
+        n = max(len(base), len(own))
+        at = lambda v, k: v[k] if k < len(v) else 1.0
+        return tuple(round(at(base, k) * at(own, k), 4) for k in range(n))
+
     def handshake_queue_bytes(self, link: str, run: str | None) -> float:
         """Bytes ahead of a handshake on `link` (the run's, else pooled; 0 unmeasured)."""
         for key in (run, "all"):
@@ -151,7 +171,8 @@ class CpuCalibration:
                 "role_fits": {g: dump(f) for g, f in sorted(self.role_fits.items())},
                 "load": dict(self.load), "instance_load": dict(self.instance_load),
                 "core_sharing": self.core_sharing, "transfer": self.transfer,
-                "handshake_queue": self.handshake_queue}
+                "handshake_queue": self.handshake_queue,
+                "instance_rows": {k: list(v) for k, v in self.instance_rows.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CpuCalibration":
@@ -162,7 +183,8 @@ class CpuCalibration:
                    dict(d.get("transfer", {})),
                    {g: read(f) for g, f in d.get("role_fits", {}).items()},
                    dict(d.get("instance_load", {})), float(d.get("core_sharing", 1.0)),
-                   dict(d.get("handshake_queue", {})))
+                   dict(d.get("handshake_queue", {})),
+                   {k: tuple(v) for k, v in d.get("instance_rows", {}).items()})
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -251,15 +273,18 @@ def fit(paths: list[Path], model: ModelShape, hardware: str = "cpu",
         elif threads in fits:        # the decoders use the pooled fit (the factor is theirs only)
             fits[threads] = replace(fits[threads], lone_chunk=lone)
 
+    instance_rows = _instance_row_factors(alone, instance_load, rows)
+
     def alone_s(r: dict) -> float:
         m = models.get((r["threads"], r["group"]))
         if m is None:
             return math.inf
         speed = instance_load.get(r["instance"], load.get(r["run"], 1.0))
-        return speed * m.step_time(StepShape.from_record(r)) * _row_factor(r, rows)
+        return (speed * m.step_time(StepShape.from_record(r)) * _row_factor(r, rows)
+                * _own_row_factor(r, instance_rows))
     sharing = core_sharing([r for r in every if (r["threads"], r["group"]) in models], alone_s)
     return CpuCalibration(model.name, fits, load, transfer_rates(paths), role_fits, instance_load,
-                          1.0 if sharing is None else sharing, handshake_queues(paths))
+                          1.0 if sharing is None else sharing, handshake_queues(paths), instance_rows)
 
 
 def _alone_speeds(by_threads: dict[int, list[dict]], pooled: dict[int, CostModel],
@@ -306,8 +331,9 @@ def with_run_speeds(cal: CpuCalibration, paths: list[Path], model: ModelShape,
             models[threads, group] = apply(base, cal.fit_for(threads, group))
     load, alone = _alone_speeds(by_threads, pooled, models)
     rows = {(g, t): f.row_factors for g, byt in cal.role_fits.items() for t, f in byt.items()}
-    return replace(cal, load=dict(cal.load) | load,
-                   instance_load=dict(cal.instance_load) | _instance_speeds(alone, rows))
+    speeds = _instance_speeds(alone, rows)
+    return replace(cal, load=dict(cal.load) | load, instance_load=dict(cal.instance_load) | speeds,
+                   instance_rows=dict(cal.instance_rows) | _instance_row_factors(alone, speeds, rows))
 
 
 def _weight(r: dict, fitted_s: float) -> float:
@@ -385,6 +411,48 @@ def _row_factors(alone: list[dict], speeds: dict[str, float]) -> dict[tuple[str,
             row.append(round((len(v) * f + ROW_PRIOR) / (len(v) + ROW_PRIOR), 4))
         out[key] = tuple(row)
     return out
+
+
+def _instance_row_factors(alone: list[dict], speeds: dict[str, float],
+                          rows: dict[tuple[str, int], tuple[float, ...]]) -> dict[str, tuple[float, ...]]:
+    """Per prefill instance: mean measured / (fitted x its speed x its role's
+    row factor) of its own steps, by row class (classes of fewer than
+    MIN_ROW_STEPS steps, and the pull towards 1, as `_row_factors`).
+
+    The role's factors pool its instances; one instance's small steps can
+    run slower than the pool's for reasons of its deployment, not of the
+    shapes: P's 17-64-token warm-turn chunks in `wan-bound-59` took 108 ms
+    (median) in PDD against 98 ms in pd-local, with the same CPU time
+    (97 / 94 ms): P's core also carries RLD's process (and P's sender's
+    copies), and a step's wall lost 14 ms to them against 6 ms. Its speed
+    factor, weighted by fitted time, is the 512-token chunks'; replayed
+    with it alone, those short chunks, the median request's first token
+    in PDD, came out 10 ms short (TTFT p50 -13%).
+    """
+    by: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    for r in alone:
+        if r["group"] != "prefill":
+            continue        # a decoder's classes are its batch sizes, where its role's factors held (TPOT within 5%)
+        speed = speeds.get(r["instance"], 1.0)
+        by.setdefault(r["instance"], {}).setdefault(row_bucket(_rows(r)), []).append(
+            (r["wall_s"] / (r["fitted_s"] * speed * _row_factor(r, rows)), 1.0))
+    out = {}
+    for inst, classes in sorted(by.items()):
+        enough = [k for k, v in classes.items() if len(v) >= MIN_ROW_STEPS]
+        if not enough:
+            continue
+        out[inst] = tuple(
+            round((len(classes[k]) * _speed_factor(classes[k]) + ROW_PRIOR) / (len(classes[k]) + ROW_PRIOR), 4)
+            if len(classes.get(k, ())) >= MIN_ROW_STEPS else 1.0
+            for k in range(1, max(enough) + 1))
+    return out
+
+
+def _own_row_factor(r: dict, own: dict[str, tuple[float, ...]]) -> float:
+    """A step's factor of its row class on its own instance (1.0 without one)."""
+    rf = own.get(r["instance"], ())
+    k = row_bucket(_rows(r))
+    return rf[k - 1] if k <= len(rf) else 1.0
 
 
 # The lone-chunk factor needs this many such steps (pooled over a role

@@ -145,7 +145,7 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
                         time_scale=calibration.time_scale(run, inst.name))
             f = calibration.fit_for(e.num_threads, inst.role.value)
             if f is not None:
-                coef["row_factors"] = f.row_factors
+                coef["row_factors"] = calibration.row_factors(e.num_threads, inst.role.value, run, inst.name)
                 coef["lone_chunk_factor"] = f.lone_chunk
                 if opts.step_jitter:
                     coef["step_jitter"] = f.jitter
