@@ -737,6 +737,9 @@ def test_calibration_measures_the_wan_handshake_past_the_lines_round_trip(tmp_pa
     idle = Link("wan", rate, nominal, handshake_queue_bytes=mode.wan.handshake_queue_bytes)
     assert idle.queue_s(0.0) == pytest.approx(0.030)
     assert Link("wan", rate, nominal).queue_s(0.0) == 0.0
+    # a run at another line rate (`--wan-mbps`, saved as overrides.json): its own rate
+    (run / "pdd" / "overrides.json").write_text(json.dumps({"links": {"bandwidth_mbps": 4 * line.bandwidth_mbps}}))
+    assert fit([run], get_model("smollm2-135m")).handshake_queue_bytes("wan", "pdd") == pytest.approx(0.120 * rate)
 
 
 def test_one_instances_slow_class_of_steps_is_its_own_not_its_roles(tmp_path):

@@ -164,7 +164,8 @@ def handshake_queues(paths: list[Path]) -> dict[str, dict[str, float]]:
         deploy, recs = f.parent / "deploy.toml", f.parent / "records.jsonl"
         if not deploy.is_file() or not recs.is_file():
             continue
-        links = load_spec(deploy).links
+        extra = f.parent / "overrides.json"          # a run's --wan-mbps, say
+        links = load_spec(deploy, json.loads(extra.read_text()) if extra.is_file() else None).links
         if len(links) != 1:
             continue
         line = links[0]
