@@ -358,7 +358,11 @@ def _rows(r: dict) -> int:
 
 def _row_factor(r: dict, rows: dict[tuple[str, int], tuple[float, ...]]) -> float:
     """The row factor of a step's row class under its role fit (1.0 without one)."""
-    rf = rows.get((r["group"], r["threads"]), ())
+    return _class_factor(rows.get((r["group"], r["threads"]), ()), r)
+
+
+def _class_factor(rf: tuple[float, ...], r: dict) -> float:
+    """The factor of a step's row class in `rf` (1.0 past its end)."""
     k = row_bucket(_rows(r))
     return rf[k - 1] if k <= len(rf) else 1.0
 
@@ -396,21 +400,24 @@ def _row_factors(alone: list[dict], speeds: dict[str, float]) -> dict[tuple[str,
         speed = speeds.get(r["instance"], 1.0)
         by.setdefault((r["group"], r["threads"]), {}).setdefault(row_bucket(_rows(r)), []).append(
             (r["wall_s"] / (r["fitted_s"] * speed), 1.0))
-    out = {}
-    for key, classes in by.items():
-        enough = [k for k, v in classes.items() if len(v) >= MIN_ROW_STEPS]
-        if not enough:
+    return {key: row for key, classes in by.items() if (row := _class_factors(classes))}
+
+
+def _class_factors(classes: dict[int, list[tuple[float, float]]]) -> tuple[float, ...]:
+    """Factors by row class from each class's measured / fitted pairs: 1.0 for
+    a class of fewer than MIN_ROW_STEPS steps, else its speed factor pulled
+    towards 1 as if ROW_PRIOR more steps had measured 1; () with none."""
+    enough = [k for k, v in classes.items() if len(v) >= MIN_ROW_STEPS]
+    if not enough:
+        return ()
+    row = []
+    for k in range(1, max(enough) + 1):
+        v = classes.get(k, [])
+        if len(v) < MIN_ROW_STEPS:
+            row.append(1.0)
             continue
-        row = []
-        for k in range(1, max(enough) + 1):
-            v = classes.get(k, [])
-            if len(v) < MIN_ROW_STEPS:
-                row.append(1.0)
-                continue
-            f = _speed_factor(v)
-            row.append(round((len(v) * f + ROW_PRIOR) / (len(v) + ROW_PRIOR), 4))
-        out[key] = tuple(row)
-    return out
+        row.append(round((len(v) * _speed_factor(v) + ROW_PRIOR) / (len(v) + ROW_PRIOR), 4))
+    return tuple(row)
 
 
 def _instance_row_factors(alone: list[dict], speeds: dict[str, float],
@@ -427,7 +434,7 @@ def _instance_row_factors(alone: list[dict], speeds: dict[str, float],
     copies), and a step's wall lost 14 ms to them against 6 ms. Its speed
     factor, weighted by fitted time, is the 512-token chunks'; replayed
     with it alone, those short chunks, the median request's first token
-    in PDD, came out 10 ms short (TTFT p50 -13%).
+    in PDD, came out ~10 ms short.
     """
     by: dict[str, dict[int, list[tuple[float, float]]]] = {}
     for r in alone:
@@ -436,23 +443,12 @@ def _instance_row_factors(alone: list[dict], speeds: dict[str, float],
         speed = speeds.get(r["instance"], 1.0)
         by.setdefault(r["instance"], {}).setdefault(row_bucket(_rows(r)), []).append(
             (r["wall_s"] / (r["fitted_s"] * speed * _row_factor(r, rows)), 1.0))
-    out = {}
-    for inst, classes in sorted(by.items()):
-        enough = [k for k, v in classes.items() if len(v) >= MIN_ROW_STEPS]
-        if not enough:
-            continue
-        out[inst] = tuple(
-            round((len(classes[k]) * _speed_factor(classes[k]) + ROW_PRIOR) / (len(classes[k]) + ROW_PRIOR), 4)
-            if len(classes.get(k, ())) >= MIN_ROW_STEPS else 1.0
-            for k in range(1, max(enough) + 1))
-    return out
+    return {inst: row for inst, classes in sorted(by.items()) if (row := _class_factors(classes))}
 
 
 def _own_row_factor(r: dict, own: dict[str, tuple[float, ...]]) -> float:
     """A step's factor of its row class on its own instance (1.0 without one)."""
-    rf = own.get(r["instance"], ())
-    k = row_bucket(_rows(r))
-    return rf[k - 1] if k <= len(rf) else 1.0
+    return _class_factor(own.get(r["instance"], ()), r)
 
 
 # The lone-chunk factor needs this many such steps (pooled over a role
