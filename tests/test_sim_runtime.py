@@ -724,7 +724,7 @@ def test_calibration_measures_the_wan_handshake_past_the_lines_round_trip(tmp_pa
         for k, h in enumerate(shakes):
             events = [{"name": "kv_transfer", "link": "wan", "handshake_s": h},
                       {"name": "kv_transfer", "link": "local", "handshake_s": 0.5}]
-            f.write(json.dumps({"request_id": f"r{k}", "events": events}) + "\n")
+            f.write(json.dumps(RequestRecord(f"r{k}", 0.0, 100, 1, events=events).to_dict()) + "\n")
     cal = fit([run], get_model("smollm2-135m"))
     assert cal.handshake_queue_bytes("wan", "pdd") == pytest.approx(0.030 * rate)
     assert cal.handshake_queue_bytes("wan", "pd-local") == pytest.approx(0.030 * rate)   # pooled

@@ -88,7 +88,7 @@ def _over_median_itl(gaps: list[float], records: list[RequestRecord], q: float |
 
 def is_handoff(r: RequestRecord) -> bool:
     """MD took the stream over from RLD's own decoding: RLD made at least one
-    token after P's first. A relayed request whose KV reached MD before RLD's
+    token after P's first (`r`: a record, or the router's trace). A relayed request whose KV reached MD before RLD's
     first decode step hands over nothing (the user has P's token only, as RLD
     passed it on), and its wait for MD's first token is the early first
     token's (`first_token_early`), as with a direct request's token from P."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdd.measure.metrics import is_handoff
 from pdd.policy.lifecycle_io import Outcome
 from pdd.server.trace import RequestTrace
 
@@ -62,7 +63,7 @@ class RouterMetrics:
         if t.handoff_mode and t.handoff_gap_s is not None:
             self.handoffs.labels(t.handoff_mode).inc()
             self.handoff_batches.observe(t.handoff_batches)
-            if t.rld_tokens >= 2:       # RLD decoded: a switch the user sees (`measure.metrics.is_handoff`)
+            if is_handoff(t):           # RLD decoded: a switch the user sees
                 self.handoff_gap.observe(t.handoff_gap_s)
         for ev in t.events:
             if ev["name"] == "kv_transfer" and ev.get("ok") and ev.get("link"):

@@ -158,6 +158,8 @@ def handshake_queues(paths: list[Path]) -> dict[str, dict[str, float]]:
     BEGIN and HAVE frames in the relay's buffers, which the simulator's
     line holds only while a flow keeps it full (`Link.queue_s`)."""
     from pdd.deploy.spec import load_spec
+    from pdd.measure.files import read_records as read_requests
+    from pdd.sim.deployment import line_rtt_ms
 
     sums: dict[str, list[float]] = {}
     for f in step_files(paths):
@@ -170,11 +172,9 @@ def handshake_queues(paths: list[Path]) -> dict[str, dict[str, float]]:
             continue
         line = links[0]
         rate = line.bandwidth_mbps * 1e6 / 8
-        nominal = (2 * line.latency_ms + line.jitter_ms) / 1e3
-        for text in recs.read_text().splitlines():
-            if not text.strip():
-                continue
-            for ev in json.loads(text).get("events") or ():
+        nominal = line_rtt_ms(line) / 1e3
+        for req in read_requests(recs):
+            for ev in req.events:
                 h = ev.get("handshake_s")
                 if ev.get("name") != "kv_transfer" or ev.get("link") != "wan" or not h or h >= HANDSHAKE_SIBLING_S:
                     continue

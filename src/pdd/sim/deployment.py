@@ -178,7 +178,7 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
         # unpaced still has what its sockets hold ahead (`sender_socket_bytes`).
         limit = queue_limit_bytes(line * 1e9 / 8, link.latency_ms / 1e3, link.jitter_ms / 1e3)
         on = opts.line_buffer
-        wan = LinkSpec(gbps=line, rtt_ms=2 * link.latency_ms + link.jitter_ms, max_flow_gbps=cap,
+        wan = LinkSpec(gbps=line, rtt_ms=line_rtt_ms(link), max_flow_gbps=cap,
                        price_per_hour=link.cost_per_hour, buffer_bytes=0.75 * limit if on else 0.0,
                        yield_leak_bytes=opts.sender_socket_bytes if on else 0.0,
                        tail_release_bytes=opts.sender_socket_bytes if on else 0.0,
@@ -193,6 +193,12 @@ def mode_from_spec(spec: DeploymentSpec, name: str | None = None,
     return ModeSpec(name or spec.name, tuple(pools), PolicyConfig.from_dict(spec.policy), rdma,
                     wan, serving, seed=opts.seed,
                     core_sharing=calibration.core_sharing if calibration is not None else 1.0)
+
+
+def line_rtt_ms(link) -> float:
+    """The simulated round trip of a deployment's `[[links]]` line: both ways'
+    latency and one jitter (the relay delays each way by latency +- jitter)."""
+    return 2 * link.latency_ms + link.jitter_ms
 
 
 def block_size(spec: DeploymentSpec) -> int:
