@@ -509,7 +509,7 @@ def test_calibration_measures_batch_kernels_and_a_shared_core(tmp_path):
     model, batch-4 ones 20% over it; MD and RLD (on one core, `_pdd_run_folder`)
     sometimes step together, each at 0.8 / 2 of the core meanwhile. The fit
     finds both and the replayed mode carries them."""
-    from pdd.sim.calibration import _speed_factor
+    from pdd.sim.calibration_factors import _speed_factor
 
     model = get_model("smollm2-135m")
     truth = CostModel(model, get_profile("cpu"), mfu=0.4, mbu=0.5, overhead_s=0.01, per_seq_s=0.005)
@@ -565,7 +565,7 @@ def test_calibration_measures_a_decoders_steps_that_decode_nothing(tmp_path):
     ran 1.5x slower in the second: the fit's lone-chunk factor tells them
     apart by that much (unshrunk from its prior), keeps it through the
     calibration file, and the replayed decoders carry it; P's pool does not."""
-    from pdd.sim.calibration import MIN_LONE_STEPS, ROW_PRIOR
+    from pdd.sim.calibration_factors import MIN_LONE_STEPS, ROW_PRIOR
 
     model = get_model("smollm2-135m")
     truth = CostModel(model, get_profile("cpu"), mfu=0.4, mbu=0.5, overhead_s=0.01, per_seq_s=0.005)
