@@ -365,6 +365,22 @@ def test_one_slow_gap_does_not_make_a_fast_rld_slow():
         assert (lc.session.mode.value == "overlap") is overlap, gaps
 
 
+def test_tokens_that_arrive_in_bursts_read_at_their_mean_pace():
+    """RLD's facts alternate one token after 60 ms with one right behind it
+    (30 ms a token): that pace, not the 60 ms of every other fact, against
+    MD's 0.03 s step."""
+    lc, _ = started(RELAY, max_tokens=40, cfg=PolicyConfig())
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    t = 1.0
+    for i, gap in enumerate([0.0, 0.06, 0.0005, 0.06, 0.0005, 0.06]):
+        t += gap
+        lc.handle(DecodeToken(t, Leg.RLD, i, ref(i), rld_view()))
+    assert lc.rld_pace_s() == pytest.approx((0.06 + 0.0005 + 0.06 + 0.0005) / 4)
+    lc.handle(KvReady(t + 0.01, rld_view(), md=md_view(0.03)))
+    assert lc.session.mode.value != "overlap"
+
+
 def test_filtered_request_is_rld_only_and_warms_md_with_its_shared_prefix():
     lc, cmds = started(FILTERED, warm_blocks=4)
     assert of(cmds, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False)]

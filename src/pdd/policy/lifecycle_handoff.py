@@ -16,8 +16,6 @@ applies once MD's copy of the prompt's KV has landed.
 
 from __future__ import annotations
 
-import statistics
-
 from pdd.policy.handoff import Complete, HandoffMode, HandoffState, SendBatch, new_session
 from pdd.policy.lifecycle_io import (
     Abort, DecodeEnded, DecodeToken, EndReason, Extended, ExtendMd, FinishReason, KvReady, Leg, PauseRld,
@@ -156,16 +154,21 @@ class HandoffRules:
         del self.rld_seen[:-RLD_PACE_FACTS]
 
     def rld_pace_s(self) -> float | None:
-        """RLD's gap per token between this request's last facts, the median
-        of up to `RLD_PACE_FACTS` - 1 of them; None before two facts with
-        tokens between them. The median, not the mean: the overlap commits
-        for several tokens, and one slow gap (P's chunk ran beside RLD's
-        step) must not read as a slow RLD. In `wan-bound-58-96` a mean over
-        three gaps with one of 123 ms among 35-65 ms ones chose an overlap
-        that MD never caught up with (paused at the lag bound, 3.3x)."""
-        gaps = [(t1 - t0) / (n1 - n0) for (t0, n0), (t1, n1) in zip(self.rld_seen, self.rld_seen[1:])
-                if n1 > n0 and t1 > t0]
-        return statistics.median(gaps) if gaps else None
+        """RLD's time per token over this request's last `RLD_PACE_FACTS`
+        facts, the longest interval between two of them left out (when there
+        are three or more); None before two facts with tokens between them.
+        The overlap commits for several tokens, so one slow interval (P's
+        chunk ran beside RLD's step) must not read as a slow RLD: in
+        `wan-bound-58-96` a mean with one 123 ms gap among 35-65 ms ones chose
+        an overlap that MD never caught up with (paused at the lag bound,
+        3.3x). Time over tokens, not a median of per-fact gaps: facts that
+        carry several tokens after a stall would bias a median upwards."""
+        spans = [(t1 - t0, n1 - n0) for (t0, n0), (t1, n1) in zip(self.rld_seen, self.rld_seen[1:])
+                 if n1 > n0 and t1 > t0]
+        if len(spans) >= 3:
+            spans.remove(max(spans))
+        tokens = sum(n for _, n in spans)
+        return sum(t for t, _ in spans) / tokens if tokens else None
 
     # --- overlap -----------------------------------------------------------------------
     def _on_md_token_overlapping(self, f: DecodeToken) -> None:
