@@ -22,7 +22,7 @@ from pdd.policy.lifecycle_io import (
     Abort, CancelTransfer, ClientGone, CloseStream, DeadlinePassed, DecodeEnded, DecodeToken, DecodeTokens, Emit,
     EmitRun,
     EndReason, Extended, ExtendMd, Finish, KvReady, Leg, OpenDecode, PauseRld, PeerGone, Prefilled,
-    PrefillEnded, ReleaseP, ResumeRld, StartPrefill, StartTransfer, TransferEnded,
+    PrefillEnded, ReleaseP, ResumeRld, StartPrefill, StartTransfer, TransferEnded, Wake,
 )
 
 
@@ -175,6 +175,8 @@ class World:
             producing = s.kv and (leg is Leg.RLD or s.decoding or (not s.hold and s.kv_ready_sent))
             if producing and (s.pause_limit is None or s.pos < s.pause_limit):
                 acts.append(("token" if s.pos < self.num_out else "end", leg))
+        if self.lc.wake_s() is not None:
+            acts.append(("wake", None))      # a paced handoff's next token is due (the driver's timer)
         if faults:
             acts += [("kill", i) for i, up in self.alive.items() if up]
             acts += [("fail", iid) for iid in self.transfers]
@@ -237,6 +239,9 @@ class World:
                 self.fact(PrefillEnded(t, "P died"))
         elif kind == "client_gone":
             self.fact(ClientGone(t))
+        elif kind == "wake":
+            self.now = t = max(t, self.lc.wake_s())
+            self.fact(Wake(t))
 
     def fact(self, f) -> None:
         self.log.append(f)

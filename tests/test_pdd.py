@@ -230,7 +230,7 @@ def test_filtered_calls_sharing_a_hot_prefix_warm_md(auto, reference, smollm2_di
     assert tr["wan_bytes"] == 2 * 16 * KV_BYTES_PER_TOKEN
 
 
-@pytest.mark.parametrize("mode", ["catch_up", "one_shot", "overlap"])
+@pytest.mark.parametrize("mode", ["catch_up", "one_shot", "overlap", "paced"])
 def test_forced_handoff_modes_concurrent(mode, tmp_path_factory, smollm2_dir, reference):
     tok = Tokenizer(smollm2_dir)
     policy = {"handoff_mode": mode, "catchup_threshold_tokens": 8, "catchup_final_max_tokens": 2,
@@ -246,7 +246,7 @@ def test_forced_handoff_modes_concurrent(mode, tmp_path_factory, smollm2_dir, re
         # alike and MD's tokens can be checked against RLD's.
         # (Two at once again: one alone would go direct, its copy keeping up with P.)
         sampled = []
-        if mode == "overlap":
+        if mode in ("overlap", "paced"):
             with ThreadPoolExecutor(2) as pool:
                 sampled = [tr for _, tr in pool.map(lambda p: run(dep, p, 70, temperature=0.9),
                                                     [ids(12, 360), ids(13, 300)])]
@@ -254,7 +254,7 @@ def test_forced_handoff_modes_concurrent(mode, tmp_path_factory, smollm2_dir, re
         dep.stop()
     for tr in sampled:
         log = event(tr, "lifecycle")["log"]
-        assert tr["handoff_mode"] == "overlap" and "note:overlap_diverged" not in log, timeline(tr)
+        assert tr["handoff_mode"] == mode and "note:overlap_diverged" not in log, timeline(tr)
         assert tr["token_sources"][-1] == "md", timeline(tr)
     for p, (text, tr) in zip(prompts, got):
         assert text == tok.decode(reference(p, 70))
@@ -262,7 +262,7 @@ def test_forced_handoff_modes_concurrent(mode, tmp_path_factory, smollm2_dir, re
         assert tr["token_sources"][-1] == "md", timeline(tr)
         if mode == "one_shot":
             assert tr["handoff_batches"] == 1
-        elif mode == "overlap":
+        elif mode in ("overlap", "paced"):
             # One final batch, RLD not paused: RLD's tokens, then MD's, each index once.
             src = tr["token_sources"]
             assert tr["handoff_batches"] == 1, timeline(tr)
@@ -272,7 +272,8 @@ def test_forced_handoff_modes_concurrent(mode, tmp_path_factory, smollm2_dir, re
             assert "pause_at:rld" not in log and ("pause:rld" not in log or "note:overlap_pause" in log), log
             k = src.index("md")
             assert set(src[:k]) <= {"p", "rld"} and set(src[k:]) == {"md"}, timeline(tr)
-        elif tr["rld_tokens"] > 2 + 1:
-            # more than catchup_final_max_tokens when MD got ready (the final
-            # batch also carries the RLD token it waited for): a catch-up batch first
-            assert tr["handoff_batches"] >= 2
+            assert "note:paced" in log, log          # the default ratio paces an overlap too
+        elif event(tr, "md_ready")["eager_tokens"] > 2:
+            # more than catchup_final_max_tokens when MD got ready: a catch-up
+            # batch first (RLD, not paused by the final batch, may emit more after it)
+            assert tr["handoff_batches"] >= 2, timeline(tr)

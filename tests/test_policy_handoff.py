@@ -9,7 +9,7 @@ from pdd.policy import (
 
 # The batches as the policy decides them; sending the final one with RLD's
 # next token (`handoff_on_rld_token`, on by default) has its own tests below.
-CFG = PolicyConfig(handoff_on_rld_token=False)
+CFG = PolicyConfig(handoff_on_rld_token=False, handoff_pace_ratio=0)
 
 
 def rld(running):
@@ -143,7 +143,7 @@ def test_session_always_ends_with_contiguous_batches(mode, first, increments, fi
 
 
 def test_an_armed_final_batch_goes_with_rlds_next_token_and_can_still_fail_back():
-    cfg = PolicyConfig()                      # handoff_on_rld_token: the default
+    cfg = PolicyConfig(handoff_pace_ratio=0)  # handoff_on_rld_token: the default; catch-up pauses RLD
     s = HandoffSession("r", HandoffMode.ONE_SHOT, cfg)
     assert s.on_md_ready(1.0, 7) is None and s.state is HandoffState.ARMED
     assert s.in_flight is None and s.rld_stop_at is None        # RLD keeps the stream meanwhile

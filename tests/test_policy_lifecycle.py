@@ -14,14 +14,14 @@ from pdd.policy.lifecycle_io import (
     Abort, CancelTransfer, ClientGone, CloseStream, DeadlinePassed, DecodeEnded, DecodeToken, Emit,
     EndReason, Extended, ExtendMd, Finish, FinishReason, KvReady, Leg, Note, OpenDecode, Outcome,
     PauseRld, PeerGone, Prefilled, PrefillEnded, ReleaseP, ResumeRld, StartPrefill, StartTransfer,
-    Transfer, TransferEnded, WanFailed,
+    Transfer, TransferEnded, Wake, WanFailed,
 )
 from lifecycle_world import World, ref
 
 # Final batches as soon as the session decides them; sending them with RLD's
 # next token (the default) is tested on its own below and in the event-order
 # properties (tests/test_policy_lifecycle_orders.py).
-CFG = PolicyConfig(handoff_on_rld_token=False, first_token_max_stall_s=0.25)
+CFG = PolicyConfig(handoff_on_rld_token=False, first_token_max_stall_s=0.25, handoff_pace_ratio=0)
 REQ = RequestFacts("req", 4096, 20, 1000, 16)
 
 
@@ -146,7 +146,7 @@ def test_relay_one_shot_handoff():
 
 
 def test_the_final_batch_goes_with_rlds_next_token():
-    lc, _ = started(RELAY, cfg=PolicyConfig())
+    lc, _ = started(RELAY, cfg=PolicyConfig(handoff_pace_ratio=0))
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
     rld_tokens(lc, 0, 5)
@@ -172,7 +172,7 @@ def test_a_hold_ahead_that_no_final_batch_follows_resumes_rld():
     """Armed at 10 (RLD holds at 11), but RLD's token 10 leaves MD at most
     `catchup_final_max_tokens` of the bound: no final batch, RLD resumes and
     ends the request. And MD failing while armed resumes RLD too."""
-    cfg = PolicyConfig(catchup_final_max_tokens=2)
+    cfg = PolicyConfig(catchup_final_max_tokens=2, handoff_pace_ratio=0)
     lc, _ = started(RELAY, max_tokens=13, cfg=cfg)
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
@@ -196,7 +196,8 @@ def test_a_hold_ahead_that_no_final_batch_follows_resumes_rld():
 
 
 def test_relay_catch_up_handoff_sends_batches_until_the_gap_is_small():
-    cfg = PolicyConfig(handoff_mode="catch_up", catchup_final_max_tokens=2, handoff_on_rld_token=False)
+    cfg = PolicyConfig(handoff_mode="catch_up", catchup_final_max_tokens=2, handoff_on_rld_token=False,
+                       handoff_pace_ratio=0)
     lc, _ = started(RELAY, max_tokens=40, cfg=cfg)
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
@@ -221,8 +222,10 @@ def md_view(step_s):
 
 def overlapping(max_tokens=40, cfg=None, eager=6):
     """A relay whose MD decodes at a quarter of RLD's step (0.0125 against
-    0.05 s): MD ready after `eager` of RLD's tokens."""
-    lc, _ = started(RELAY, max_tokens=max_tokens, cfg=cfg or PolicyConfig())
+    0.05 s): MD ready after `eager` of RLD's tokens. Unpaced (RLD's tokens
+    here all come at one instant; the paced overlap is tested below)."""
+    cfg = dataclasses.replace(cfg or PolicyConfig(), handoff_pace_ratio=0)
+    lc, _ = started(RELAY, max_tokens=max_tokens, cfg=cfg)
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
     rld_tokens(lc, 0, eager)
@@ -315,16 +318,124 @@ def test_overlap_md_ending_on_a_token_the_user_has_ends_the_request():
     assert Abort(Leg.RLD, "r0") in out
 
 
-@pytest.mark.parametrize("md_step, overlap", [(0.0125, True), (0.033, True), (0.04, False), (None, False)])
-def test_overlap_only_where_md_decodes_clearly_faster(md_step, overlap):
-    """`overlap_max_step_ratio` (0.67) of RLD's 0.05 s step; unmeasured MD: the paused handoff."""
-    lc, _ = started(RELAY, max_tokens=40, cfg=PolicyConfig())
+# --- the paced handoff ------------------------------------------------------------
+PACED_CFG = PolicyConfig(handoff_on_rld_token=False)        # handoff_pace_ratio 1.5: the default
+
+
+def paced(max_tokens=40, cfg=PACED_CFG):
+    """A relay whose RLD makes a token every 40 ms (tokens 0-5 at 1.00-1.20 s)
+    and whose MD reports the same step: MD ready at 1.21 s. Returns the
+    lifecycle and a recorder of (time, Emit) for the facts fed through it."""
+    lc, _ = started(RELAY, max_tokens=max_tokens, cfg=cfg)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    for i in range(6):
+        lc.handle(DecodeToken(1.0 + 0.04 * i, Leg.RLD, i, ref(i), rld_view()))
+    lc.handle(TransferEnded(1.205, "m0", True))
+    out = lc.handle(KvReady(1.21, rld_view(), md=md_view(0.04)))
+    return lc, out
+
+
+def feed(lc, facts):
+    """Each fact, and a `Wake` whenever the lifecycle's wake time comes
+    first (as the drivers do); (time, Emit) of every token that went out."""
+    shown = []
+    for f in sorted(facts, key=lambda f: f.now):
+        while lc.wake_s() is not None and lc.wake_s() <= f.now:
+            t = lc.wake_s()
+            shown += [(t, c) for c in of(lc.handle(Wake(t)), Emit)]
+        shown += [(f.now, c) for c in of(lc.handle(f), Emit)]
+    return shown
+
+
+def test_paced_handoff_stretches_rlds_gaps_until_mds_tokens_catch_up():
+    """MD no faster than RLD: the final batch carries RLD's tokens and does
+    not pause RLD; RLD's next tokens go out at least 1.5 x 40 ms apart (held
+    back, let out at `Wake`s), so the user's stream falls behind RLD's 20 ms
+    a token; MD, a round trip and an extend behind RLD, reaches it and takes
+    the stream with no gap over the stretched one."""
+    lc, out = paced()
+    assert lc.session.mode.value == "paced" and of(out, PauseRld) == []
+    assert of(out, ExtendMd) == [ExtendMd("m0", tuple(ref(i) for i in range(1, 6)), True)]
+    assert lc.pace_gap_s == pytest.approx(0.06) and Note("paced", {"gap_s": 0.06}) in out
+    rld = [DecodeToken(1.24 + 0.04 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(12)]
+    # MD's own tokens from 6 on, 150 ms behind RLD's (round trip, extend), 40 ms apart.
+    md = [DecodeToken(1.39 + 0.04 * k, Leg.MD, 6 + k, ref(6 + k)) for k in range(34)]
+    shown = feed(lc, rld + md + [DecodeEnded(2.8, Leg.MD, EndReason.LENGTH)])
+    assert lc.tokens == [ref(i) for i in range(40)] and lc.done.reason is FinishReason.LENGTH
+    assert [c.index for _, c in shown] == list(range(6, 40))
+    switch = next(i for i, (_, c) in enumerate(shown) if c.source is Leg.MD)
+    assert all(c.source is Leg.RLD for _, c in shown[:switch]) and all(c.held for _, c in shown[:switch])
+    times = [1.20] + [t for t, _ in shown]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps[:switch + 1]) <= 0.06 + 1e-9          # no stall at the switch
+    assert 6 <= shown[switch][1].index <= 14              # MD caught up within a few tokens
+    assert lc.rld_emitted == shown[switch][1].index and lc.stop_at == shown[switch][1].index
+
+
+def test_paced_gap_follows_mds_own_pace_bounded_by_rlds():
+    """Once two of MD's own tokens came, the stretch is of MD's time per
+    token on this request (beside RLD on one core MD is slower than its
+    reported step); never of more than RLD's own pace."""
+    rld = [DecodeToken(1.24 + 0.04 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(3)]
+    for md_gap, pace in ((0.05, 0.04), (0.03, 0.03)):
+        lc, _ = paced()
+        feed(lc, rld + [DecodeToken(1.30, Leg.MD, 6, ref(6)), DecodeToken(1.30 + md_gap, Leg.MD, 7, ref(7))])
+        assert lc.owner is Leg.RLD and len(lc.tokens) == 8        # the user is ahead of MD still
+        assert lc.md_pace_s() == pytest.approx(md_gap) and lc.pace_gap_s == pytest.approx(1.5 * pace)
+
+
+def test_paced_tokens_held_back_go_out_when_rld_ends_the_request_first():
+    lc, _ = paced(max_tokens=12)
+    shown = feed(lc, [DecodeToken(1.24 + 0.04 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(6)]
+                 + [DecodeEnded(1.45, Leg.RLD, EndReason.LENGTH)])
+    assert lc.tokens == [ref(i) for i in range(12)] and lc.done.reason is FinishReason.LENGTH
+    assert [c.index for _, c in shown] == list(range(6, 12)) and lc.ended_on_rld
+
+
+def test_md_failing_while_paced_lets_rlds_held_tokens_out_and_stops_pacing():
+    lc, _ = paced()
+    rld_early = [DecodeToken(1.24 + 0.005 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(3)]
+    feed(lc, rld_early)
+    assert len(lc.tokens) == 6 and len(lc.queued) == 3
+    out = lc.handle(DecodeEnded(1.27, Leg.MD, EndReason.ERROR, "MD died"))
+    assert [c.index for c in of(out, Emit)] == [6, 7, 8] and lc.pace_gap_s is None and lc.wake_s() is None
+    assert Abort(Leg.MD, "m0") in out
+    out = rld_tokens(lc, 9, 40, t=1.28) + lc.handle(DecodeEnded(2.0, Leg.RLD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(40)] and out[-1].reason is FinishReason.LENGTH
+
+
+def test_rld_lost_while_paced_md_takes_over_after_rlds_held_tokens():
+    lc, _ = paced()
+    feed(lc, [DecodeToken(1.24 + 0.005 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(3)])
+    out = lc.handle(PeerGone(1.3, Leg.RLD, "silent", healthy("m0")))
+    assert [c.index for c in of(out, Emit)] == [6, 7, 8] and lc.owner is Leg.MD
+    out = md_tokens(lc, 6, 40) + lc.handle(DecodeEnded(3.0, Leg.MD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(40)] and out[-1].reason is FinishReason.LENGTH
+
+
+def test_paced_mode_only_while_rld_has_room():
+    """A busy RLD wants its slot back: one-shot pauses it at once."""
+    lc, _ = started(RELAY, max_tokens=40, cfg=PACED_CFG)
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))
     rld_tokens(lc, 0, 6)
-    out = lc.handle(KvReady(1.6, rld_view(), md=md_view(md_step)))
-    assert (lc.session.mode.value == "overlap") is overlap
-    assert (of(out, PauseRld) == []) is overlap
+    out = lc.handle(KvReady(1.6, rld_view(running=7), md=md_view(0.05)))
+    assert lc.session.mode.value == "one_shot" and of(out, PauseRld) == [PauseRld("r0")]
+
+
+@pytest.mark.parametrize("md_step, overlap", [(0.0125, True), (0.033, True), (0.04, False), (None, False)])
+def test_overlap_only_where_md_decodes_clearly_faster(md_step, overlap):
+    """`overlap_max_step_ratio` (0.67) of RLD's 0.05 s step; unmeasured MD:
+    the paced handoff (no pause either), or with pacing off the paused one."""
+    for pace, other in ((1.5, "paced"), (0, "one_shot")):
+        lc, _ = started(RELAY, max_tokens=40, cfg=PolicyConfig(handoff_pace_ratio=pace))
+        lc.handle(Prefilled(0.5, ref(0)))
+        lc.handle(TransferEnded(0.6, "r0", True))
+        rld_tokens(lc, 0, 6)
+        out = lc.handle(KvReady(1.6, rld_view(), md=md_view(md_step)))
+        assert lc.session.mode.value == ("overlap" if overlap else other)
+        assert (of(out, PauseRld) == []) is (overlap or pace > 0)
     lc, _ = started(RELAY, max_tokens=40, cfg=PolicyConfig(overlap_max_step_ratio=0.0))
     lc.handle(Prefilled(0.5, ref(0)))
     lc.handle(TransferEnded(0.6, "r0", True))

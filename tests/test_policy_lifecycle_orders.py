@@ -25,13 +25,17 @@ SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[Heal
 def world(data, faults: int, bulk: bool = False) -> World:
     """bulk: decoders emit 1-4 tokens per event (`DecodeTokens`, as the simulator's steps)."""
     name = data.draw(st.sampled_from(sorted(DECISIONS)), label="pipeline")
-    mode = data.draw(st.sampled_from(["auto", "one_shot", "catch_up", "overlap"]), label="handoff")
+    mode = data.draw(st.sampled_from(["auto", "one_shot", "catch_up", "overlap", "paced"]), label="handoff")
     max_tokens = data.draw(st.integers(1, 24), label="max_tokens")
     num_out = data.draw(st.integers(1, 24), label="num_out")
     warm = data.draw(st.sampled_from([0, 2]), label="warm_blocks") if name == "filtered" else 0
+    # Paced (MD as fast as RLD, the final batch leaves RLD streaming, its
+    # tokens let out at `Wake`s): "paced", or "auto" / "catch_up" with the
+    # ratio drawn above 0; 0 keeps the paused handoff.
+    pace = 1.5 if mode == "paced" else data.draw(st.sampled_from([0, 1.5]), label="pace ratio")
     cfg = PolicyConfig(handoff_mode="auto" if mode == "overlap" else mode, catchup_threshold_tokens=2,
                        catchup_final_max_tokens=1, overlap_max_ahead=data.draw(st.integers(1, 3), label="ahead"),
-                       overlap_max_lag=data.draw(st.integers(1, 6), label="lag"))
+                       overlap_max_lag=data.draw(st.integers(1, 6), label="lag"), handoff_pace_ratio=pace)
     w = World(DECISIONS[name], num_out, max_tokens, cfg, warm_blocks=warm)
     if mode == "overlap":
         # MD decodes at a fifth of RLD's step: the final batch does not pause
@@ -40,6 +44,7 @@ def world(data, faults: int, bulk: bool = False) -> World:
         # still get the reference stream. (With RLD lost, MD's tokens past the
         # user's are the answer: nothing is left to check them against.)
         w.md_step_s = 0.01
+    if mode in ("overlap", "paced") or pace:
         if not faults and name.startswith("relay"):
             w.md_wrong_from = data.draw(st.sampled_from([None, None, 1, 3, 6]), label="md wrong from")
     w.extra_after_pause = data.draw(st.integers(0, 3), label="tokens past a pause")

@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -118,13 +119,14 @@ def test_every_event_of_the_example_pdd_deployment_is_a_plain_record(monkeypatch
             assert obj.__dataclass_params__.frozen, obj
 
 
-def _own_cores_pdd(tmp_path: Path) -> Path:
+def _own_cores_pdd(tmp_path: Path, mode: str = "catch_up", pace: float = 0) -> Path:
     """examples/pdd.toml with every instance on a core of its own (their steps
-    are StepEnd events of their own) and the catch-up handoff forced."""
+    are StepEnd events of their own) and the handoff `mode` forced (the
+    paused catch-up unless told otherwise)."""
     text = PDD.read_text()
     i = text.index('name = "rld0"')
     text = text[:i] + text[i:].replace("cpu = 0", "cpu = 2", 1)
-    text = text.replace('handoff_mode = "auto"', 'handoff_mode = "catch_up"')
+    text = text.replace('handoff_mode = "auto"', f'handoff_mode = "{mode}"\nhandoff_pace_ratio = {pace}')
     path = tmp_path / "pdd.toml"
     path.write_text(text)
     return path
@@ -210,8 +212,7 @@ def test_an_overlap_handoff_in_the_simulator_keeps_rld_decoding_past_the_final_b
     core of its own): the final batch does not stop RLD, which decodes on
     beside MD until `overlap_max_lag` tokens past it; then it pauses and MD's
     own tokens catch up and take the stream. Every token reaches the user once."""
-    path = _own_cores_pdd(tmp_path)
-    path.write_text(path.read_text().replace('handoff_mode = "catch_up"', 'handoff_mode = "overlap"'))
+    path = _own_cores_pdd(tmp_path, "overlap")
     rng = random.Random(1)
     prompt = [rng.randrange(100, 40000) for _ in range(1536)]
     wl = Workload("one", [WorkloadRequest("r1", 0.0, prompt, 200)], block_size=16)
@@ -231,3 +232,38 @@ def test_an_overlap_handoff_in_the_simulator_keeps_rld_decoding_past_the_final_b
     assert any(e["type"] == "StepEnd" and e["instance_id"] == "rld0" for e in log[final[0]:])
     # RLD's tokens: those the final batch carried, then overlap_max_lag (8) more.
     assert rec.rld_tokens == log[final[0]]["end"] + 8 and rec.handoff_gap_s is not None
+
+
+def test_a_paced_handoff_in_the_simulator_lets_mds_tokens_catch_up_without_a_stall(tmp_path):
+    """MD no faster than RLD (each on a core of its own) and the paced
+    handoff forced: the final batch leaves RLD decoding, RLD's tokens reach
+    the user at a stretched pace (the lifecycle's `LifecycleWake`s let them
+    out) until MD's own tokens catch the user's stream up; RLD is never
+    paused, every token reaches the user once, and the handoff's largest gap
+    stays under twice the median gap, where the paused handoff of the same
+    request stalls for longer."""
+    rng = random.Random(1)
+    prompt = [rng.randrange(100, 40000) for _ in range(1536)]
+    wl = Workload("one", [WorkloadRequest("r1", 0.0, prompt, 200)], block_size=16)
+    recs = {}
+    for mode, pace in (("paced", 1.5), ("one_shot", 0)):
+        buf = io.StringIO()
+        _, records, _ = run_runtime_mode(RuntimeMode("pdd", str(_own_cores_pdd(tmp_path, mode, pace)), AS_WRITTEN),
+                                         wl, Sla(10.0, 1.0), event_log=EventLog(buf))
+        (rec,) = records
+        recs[mode] = rec
+        assert (rec.pipeline, rec.handoff_mode, rec.failed) == ("relay", mode, False)
+        assert rec.output_tokens == 200 and len(rec.token_times_s) == 200
+        assert all(a <= b for a, b in zip(rec.token_times_s, rec.token_times_s[1:]))
+        log = [json.loads(line) for line in buf.getvalue().splitlines()]
+        if mode == "paced":
+            words = rec.events[0]["log"]
+            assert "extend_final" in words and "note:paced" in words and "note:handoff_complete" in words
+            assert not {"pause:rld", "pause_at:rld", "note:overlap_pause"} & set(words)
+            assert any(e["type"] == "LifecycleWake" for e in log)
+            final = [i for i, e in enumerate(log) if e["type"] == "ExtendReachesMd" and e["final"]]
+            assert any(e["type"] == "StepEnd" and e["instance_id"] == "rld0" for e in log[final[0]:])
+    paced, paused = recs["paced"], recs["one_shot"]
+    assert paced.handoff_gap_s is not None and paused.handoff_gap_s is not None
+    assert paced.handoff_gap_s < 2 * statistics.median(paced.itls_s), (paced.handoff_gap_s, statistics.median(paced.itls_s))
+    assert paced.handoff_gap_s < paused.handoff_gap_s

@@ -33,10 +33,13 @@ from test_sim_events import AS_WRITTEN, pdd_as_written   # the example as these 
 # 3 s every 20 s (copies fail, DIRECT fails over to RLD, routing sees it down);
 # "wan-bound+slow": the AMD-sized preset on an 18 Mbit/s line (its own is
 # 24), where relays end on RLD with MD's copy still landing (parked), as in
-# the real runs.
-RUNS = ("full", "wan-bound-xeon", "quick+cuts", "wan-bound+slow")
+# the real runs; "full+paused": pacing off (`handoff_pace_ratio` 0), so
+# one-shot and catch-up final batches pause RLD.
+RUNS = ("full", "wan-bound-xeon", "quick+cuts", "wan-bound+slow", "full+paused")
 CUTS = [(t, t + 3.0) for t in (10.0, 30.0, 50.0, 70.0, 90.0, 110.0)]
 SLOW = {**AS_WRITTEN, "links": {"bandwidth_mbps": 18.0}}
+PAUSED = {**AS_WRITTEN, "policy": {**AS_WRITTEN["policy"], "handoff_pace_ratio": 0}}
+OVERRIDES = {"slow": SLOW, "paused": PAUSED}
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +48,9 @@ def runs(tmp_path_factory):
     path = pdd_as_written(tmp_path_factory.mktemp("pdd") / "pdd.toml")
     for name in RUNS:
         with pytest.MonkeyPatch.context() as mp:
-            out[name] = record_run(mp, name.split("+")[0], path, cuts=CUTS if name.endswith("+cuts") else (),
-                                   overrides=SLOW if name.endswith("+slow") else AS_WRITTEN)
+            variant = name.partition("+")[2]
+            out[name] = record_run(mp, name.split("+")[0], path, cuts=CUTS if variant == "cuts" else (),
+                                   overrides=OVERRIDES.get(variant, AS_WRITTEN))
     return out
 
 
@@ -115,7 +119,8 @@ def test_simulated_commands_equal_a_replay_of_its_facts(runs, name):
 
 def test_the_replayed_runs_cover_the_lifecycle_paths(runs):
     """The workloads above are worth replaying: direct and relayed requests,
-    filtered ones, handoffs of both modes that complete, relays that end on
+    filtered ones, handoffs of every mode that complete (paced, and paused
+    with pacing off), relays that end on
     RLD with MD's copy still landing (parked) or cancelled (dropped); with
     the WAN cut, DIRECT requests whose copy failed fail over to RLD (P sends
     its KV again) and requests routed meanwhile stay on RLD."""
@@ -132,5 +137,6 @@ def test_the_replayed_runs_cover_the_lifecycle_paths(runs):
     words = Counter(w for log in logs for w in set(log))
     for w in ("note:md_ready:one_shot", "note:md_ready:catch_up", "extend", "extend_final", "pause_at:rld",
               "note:handoff_complete", "emit:md", "note:md_parked", "abort:md:keep_kv", "note:md_dropped",
-              "abort:rld", "note:failover", "start_transfer"):
+              "abort:rld", "note:failover", "start_transfer", "note:md_ready:paced", "note:paced",
+              "note:md_ready:overlap"):
         assert words[w] > 0, w

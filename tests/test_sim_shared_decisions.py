@@ -31,8 +31,14 @@ from pdd.measure.workload import Workload, WorkloadRequest
 
 pytestmark = pytest.mark.slow
 
+# The paced handoff off: with the tiny model's ~2 ms steps, whether MD's
+# tokens catch RLD's stretched ones within the lag bound turns on
+# millisecond overheads (the extend call's trip through the router), which
+# keeps no decision far from its threshold; the paused catch-up's words do
+# not depend on them. (Paced handoffs on the real model: tests/test_pdd.py;
+# the simulator's against the servers': `pdd sim --validate` of a bench run.)
 POLICY = {"direct_max_wan_s": 0.08, "catchup_threshold_tokens": 8, "catchup_final_max_tokens": 4,
-          "handoff_mode": "auto", "first_token_max_stall_s": 0.25}
+          "handoff_mode": "auto", "first_token_max_stall_s": 0.25, "handoff_pace_ratio": 0}
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -103,4 +109,4 @@ def test_sim_and_servers_decide_alike(tmp_path, tiny_model_dir):
         real = run_real(dep, wl)
     finally:
         dep.stop()
-    assert real == sim
+    assert real == sim, "\n".join(f"{k}: real {real[k]}\n    sim {sim[k]}" for k in sim)

@@ -21,7 +21,9 @@ class RequestRecord:
     wan_bytes: int = 0               # KV bytes that crossed the WAN for this request
     uncached_kv_bytes: int = 0       # KV bytes of the prompt tokens P had to compute
     rld_tokens: int = 0              # output tokens emitted by a RelayDecode instance
-    handoff_gap_s: float | None = None   # inter-token gap at the RLD -> MD switch
+    # The largest inter-token gap a handoff made: at the RLD -> MD switch, or
+    # before one of RLD's tokens a paced handoff held back.
+    handoff_gap_s: float | None = None
     pipeline: str | None = None      # policy decision, e.g. "direct", "relay", "relay_filtered"
     handoff_mode: str | None = None  # "one_shot" / "catch_up" when a handoff happened
     pipeline_reason: str | None = None   # why the policy chose it (the router's words)

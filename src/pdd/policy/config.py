@@ -16,6 +16,7 @@ class HandoffOverride(Enum):
     ONE_SHOT = "one_shot"
     CATCH_UP = "catch_up"
     OVERLAP = "overlap"      # RLD not paused; MD takes over once its tokens pass RLD's
+    PACED = "paced"          # RLD not paused; its tokens slowed until MD's catch them up
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,16 @@ class PolicyConfig:
     # MD still behind after RLD made this many tokens past the final batch:
     # RLD pauses and MD's own tokens catch up (the paused handoff's stall).
     overlap_max_lag: int = 8
+    # The paced handoff (`HandoffMode.PACED`, and catch-up's final batch):
+    # where MD is not clearly faster than RLD, the final batch still leaves
+    # RLD streaming, and RLD's tokens reach the user at least this many of
+    # MD's decode steps apart until MD's own tokens (a round trip and an
+    # extend behind RLD's) catch the user's stream up. The switch then costs
+    # no stall: the user's gaps grow to at most this ratio of MD's step for
+    # a few tokens, instead of one gap of a round trip and two MD steps
+    # (2.5-4x MD's gap at a 45 ms round trip, `wan-bound-59-96`). Above 1
+    # (MD gains ratio - 1 of its step a token); 0: the final batch pauses RLD.
+    handoff_pace_ratio: float = 1.5
 
     def __post_init__(self) -> None:
         if isinstance(self.handoff_mode, str):
@@ -201,6 +212,8 @@ class PolicyConfig:
             raise ValueError("overlap_max_step_ratio must be in [0, 1]")
         if self.overlap_max_ahead < 1 or self.overlap_max_lag < 1:
             raise ValueError("overlap_max_ahead and overlap_max_lag must be >= 1")
+        if self.handoff_pace_ratio != 0 and not self.handoff_pace_ratio > 1:
+            raise ValueError("handoff_pace_ratio must be 0 (off) or > 1")
 
     @classmethod
     def from_dict(cls, d: dict) -> "PolicyConfig":

@@ -16,9 +16,10 @@ Lifecycle of one `HandoffSession` (one per relayed request)::
     (a final batch that would leave MD <= catchup_final_max_tokens of the
      output bound) --> RLD_FINISHES --on_rld_finished--> ENDED_ON_RLD
     (any live state) --on_failed--> FAILED
-    OVERLAP: AWAITING_MD --on_md_ready--> FINAL_IN_FLIGHT (RLD not paused)
+    OVERLAP / PACED: AWAITING_MD --on_md_ready--> FINAL_IN_FLIGHT (RLD not paused)
          --on_overlap_switch--> DONE | --on_overlap_diverged--> RLD_FINISHES
          | --on_rld_finished--> ENDED_ON_RLD
+    (a paced catch-up's final batch leaves RLD streaming the same way)
 
 Actions returned to the data plane:
 
@@ -42,11 +43,20 @@ extends and then decodes on its own. The lifecycle compares MD's tokens with
 the user's and moves the stream to MD once MD's tokens overtake RLD's
 (`on_overlap_switch`); RLD's tokens were the user's until then, so the
 handoff adds no stall of its own (`lifecycle_handoff.py`).
+Paced (MD not clearly faster, RLD has room; `handoff_pace_ratio` > 0): as
+the overlap, one final batch that does not pause RLD, but MD, a round trip
+and an extend behind RLD at about RLD's pace, would never overtake it: the
+lifecycle holds RLD's tokens back and lets them out at least
+`handoff_pace_ratio` of MD's step apart, so the user's stream falls behind
+RLD's by a fraction of a step a token until MD's tokens reach it; then MD
+owns the stream. The user's largest gap is that stretched one, not a stall
+of a round trip and two of MD's steps.
 Catch-up: a non-final batch of what RLD has so far while RLD keeps decoding;
 then, after each extend, the tokens generated meanwhile, until the gap is at
 most `catchup_final_max_tokens` (or `catchup_max_batches` non-final batches
-were sent, so a slow MD cannot keep RLD busy forever); then a final batch.
-Several small stalls, none of them perceptible.
+were sent, so a slow MD cannot keep RLD busy forever); then a final batch,
+paced as above when `handoff_pace_ratio` > 0 (else it pauses RLD: several
+small stalls).
 
 RLD keeps the request's KV until `Complete`, so a failed extend falls back
 to RLD (`Abandon` with `resume_at` = what MD had been promised).
@@ -65,6 +75,7 @@ class HandoffMode(Enum):
     ONE_SHOT = "one_shot"
     CATCH_UP = "catch_up"
     OVERLAP = "overlap"
+    PACED = "paced"
 
 
 class HandoffState(Enum):
@@ -132,12 +143,14 @@ def md_overtakes(rld: InstanceView, md: InstanceView | None, cfg: PolicyConfig,
 
 def choose_handoff_mode(num_eager_tokens: int, rld: InstanceView, cfg: PolicyConfig,
                         md: InstanceView | None = None, rld_pace_s: float | None = None) -> HandoffMode:
-    """Overlap where MD overtakes RLD (`md_overtakes`); else catch-up for many
-    eager tokens while RLD has room, one-shot otherwise.
+    """Overlap where MD overtakes RLD (`md_overtakes`); else, while RLD has
+    room, catch-up for many eager tokens and paced for few (one-shot with
+    pacing off); one-shot for a busy RLD.
 
     A busy RLD wants its slot back now (one-shot); an idle one can afford to
-    keep decoding so that MD's stalls stay small (catch-up). Overlap keeps RLD
-    decoding only until MD's tokens pass its own (a few of RLD's steps).
+    keep decoding so that the user sees no stall (catch-up, paced). Overlap
+    and paced keep RLD decoding only until MD's tokens reach the user's (a
+    few of RLD's steps).
     """
     if num_eager_tokens < 0:
         raise ValueError("num_eager_tokens must be >= 0")
@@ -145,11 +158,15 @@ def choose_handoff_mode(num_eager_tokens: int, rld: InstanceView, cfg: PolicyCon
         return HandoffMode.ONE_SHOT
     if cfg.handoff_mode is HandoffOverride.CATCH_UP:
         return HandoffMode.CATCH_UP
+    if cfg.handoff_mode is HandoffOverride.PACED:
+        return HandoffMode.PACED if cfg.handoff_pace_ratio > 0 else HandoffMode.ONE_SHOT
     if cfg.handoff_mode is HandoffOverride.OVERLAP or md_overtakes(rld, md, cfg, rld_pace_s):
         return HandoffMode.OVERLAP
     has_room = rld.num_requests < cfg.rld_busy_fraction * rld.max_batch
     if num_eager_tokens > cfg.catchup_threshold_tokens and has_room:
         return HandoffMode.CATCH_UP
+    if has_room and cfg.handoff_pace_ratio > 0:
+        return HandoffMode.PACED
     return HandoffMode.ONE_SHOT
 
 
@@ -172,6 +189,21 @@ class HandoffSession:
 
     # --- read-only facts --------------------------------------------------
     @property
+    def overlaps(self) -> bool:
+        """The final batch leaves RLD streaming (overlap, paced, a paced catch-up)."""
+        return self.mode in (HandoffMode.OVERLAP, HandoffMode.PACED) or self.paced
+
+    @property
+    def paced(self) -> bool:
+        """RLD's tokens go out no faster than a stretch of MD's pace once the
+        final batch is out: a paced handoff or catch-up, and an overlap too
+        (where MD really is faster, RLD's own gaps are longer than that
+        stretch and nothing waits; where MD only looked faster, as beside
+        RLD on one core, MD still catches up)."""
+        return (self.mode in (HandoffMode.PACED, HandoffMode.CATCH_UP, HandoffMode.OVERLAP)
+                and self.cfg.handoff_pace_ratio > 0)
+
+    @property
     def batches_sent(self) -> tuple[SendBatch, ...]:
         return tuple(self._batches)
 
@@ -179,7 +211,7 @@ class HandoffSession:
     def rld_stop_at(self) -> int | None:
         """Where RLD must stop generating, once the final batch is out (None
         overlapping: RLD goes on until MD overtakes it)."""
-        last = self._batches[-1] if self._batches and self.mode is not HandoffMode.OVERLAP else None
+        last = self._batches[-1] if self._batches and not self.overlaps else None
         return last.end if last and last.final else None
 
     @property
@@ -198,8 +230,8 @@ class HandoffSession:
         self.md_ready_s = now
         if self._rld_finishes(num_generated):
             return None
-        if self.mode is HandoffMode.OVERLAP:
-            return self._send(0, num_generated, True, arm=False)     # RLD is not paused: nothing to arm
+        if self.mode in (HandoffMode.OVERLAP, HandoffMode.PACED):
+            return self._send(0, num_generated, True)     # RLD is not paused: nothing to arm
         final = (self.mode is HandoffMode.ONE_SHOT
                  or num_generated <= self.cfg.catchup_final_max_tokens)
         return self._send(0, num_generated, final, arm=rld_decoding)
@@ -238,7 +270,7 @@ class HandoffSession:
 
     def on_overlap_switch(self, now: float, upto: int) -> Complete:
         """Overlap: MD's tokens overtook RLD's at index `upto`; MD owns the stream."""
-        if self.mode is not HandoffMode.OVERLAP or self.state is not HandoffState.FINAL_IN_FLIGHT:
+        if not self.overlaps or self.state is not HandoffState.FINAL_IN_FLIGHT:
             raise HandoffError(f"{self.request_id}: on_overlap_switch in {self.mode.name} / {self.state.name}")
         self._advance(upto)
         self.state = HandoffState.DONE
@@ -248,14 +280,14 @@ class HandoffSession:
     def on_overlap_diverged(self, now: float) -> None:
         """Overlap: MD's token differs from the user's at an index both made
         (numerics of different batches): RLD ends the request."""
-        if self.mode is not HandoffMode.OVERLAP or self.state is not HandoffState.FINAL_IN_FLIGHT:
+        if not self.overlaps or self.state is not HandoffState.FINAL_IN_FLIGHT:
             raise HandoffError(f"{self.request_id}: on_overlap_diverged in {self.mode.name} / {self.state.name}")
         self.state = HandoffState.RLD_FINISHES
 
     def on_rld_finished(self, now: float, num_generated: int) -> Abandon:
         """RLD ended the request (EOS or max_tokens) before the final batch
         (or, overlapping, before MD's tokens overtook its own)."""
-        overlapping = self.mode is HandoffMode.OVERLAP and self.state is HandoffState.FINAL_IN_FLIGHT
+        overlapping = self.overlaps and self.state is HandoffState.FINAL_IN_FLIGHT
         if not overlapping and self.state not in (HandoffState.AWAITING_MD, HandoffState.EXTENDING,
                                                   HandoffState.ARMED, HandoffState.RLD_FINISHES):
             raise HandoffError(f"{self.request_id}: on_rld_finished in state {self.state.name}")
@@ -297,6 +329,7 @@ class HandoffSession:
         self._last_generated = num_generated
 
     def _send(self, start: int, end: int, final: bool, arm: bool = True) -> SendBatch | None:
+        arm = arm and not self.overlaps          # a final batch that leaves RLD running pauses nothing
         if final and arm and self.cfg.handoff_on_rld_token and self.state is not HandoffState.ARMED:
             self._armed_start = start
             self.state = HandoffState.ARMED

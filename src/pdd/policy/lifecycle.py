@@ -19,6 +19,9 @@ RLD, release P, emit a token, finish). No clock, no I/O: the router's
       extend needs); disarmed without a final batch -> ResumeRld
       overlap (MD's step clearly shorter than RLD's): no pause; RLD streams
       until MD's tokens overtake its own, then MD owns the stream
+      paced (MD about as fast, RLD has room): no pause; RLD's tokens are held
+      back and let out `handoff_pace_ratio` MD steps apart (a `Wake` at
+      `wake_s()`) until MD's tokens reach the user's stream
     RLD ends first -> MD parked (`keep_wan_copy`: its copy still lands) or dropped
     MD / WAN fails before it owns the stream -> RLD resumes (held tokens emitted)
     DIRECT fails before a token -> failover: P sends its KV to an RLD (`pick_spare`),
@@ -42,7 +45,7 @@ from pdd.policy.handoff import HandoffSession, HandoffState
 from pdd.policy.lifecycle_io import (
     Abort, ClientGone, CloseStream, Command, DeadlinePassed, DecodeEnded, DecodeToken, DecodeTokens, Emit,
     EmitRun, EndReason, Extended, Fact, Finish, FinishReason, KvReady, Leg, Note, OpenDecode, Outcome,
-    PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, StartTransfer, Transfer, TransferEnded,
+    PeerGone, Prefilled, PrefillEnded, ReleaseP, StartPrefill, StartTransfer, Transfer, TransferEnded, Wake,
     WanFailed,
 )
 from pdd.policy.lifecycle_handoff import HandoffRules
@@ -116,6 +119,10 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
         self.md_ahead: dict[int, int] = {}         # overlap: MD's tokens past the user's
         self.md_end: FinishReason | None = None    # overlap: MD ended before owning the stream
         self.rld_seen: list[tuple[float, int]] = []   # (when, the user's tokens) at RLD's last facts: its pace
+        self.pace_gap_s: float | None = None       # paced handoff: the least gap between the user's tokens
+        self.queued: list[tuple[int, float]] = []  # paced: RLD's (token, when it came) not yet out
+        self.out_s: float | None = None            # when the user's last token went out
+        self.md_seen: list[tuple[float, int]] = []    # (when, index) of MD's own tokens while racing RLD
         self.done: Finish | None = None
         self._out: list[Command] = []
 
@@ -174,6 +181,13 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
             out.append((Leg.MD, max(self.md_ready_s, self.seen_s.get(Leg.MD, 0.0), self.md_extend_s or 0.0)))
         return out
 
+    def wake_s(self) -> float | None:
+        """When the lifecycle wants a `Wake` fact (a paced handoff's next
+        held-back token is due), or None."""
+        if self.done is None and self.queued and self.pace_gap_s is not None and self.out_s is not None:
+            return self.out_s + self.pace_gap_s
+        return None
+
     @property
     def warming(self) -> bool:
         """The answer is out but P keeps the prompt KV until a copy lands on MD."""
@@ -210,6 +224,8 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
         elif isinstance(f, ClientGone):
             self._let_go()
             self._finish(FinishReason.CLIENT_GONE)
+        elif isinstance(f, Wake):
+            self._release(f.now)
         elif isinstance(f, DeadlinePassed):
             raise _Failed("request deadline exceeded")
 
@@ -310,9 +326,13 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
             return
         if self._already_out(f):
             return
-        if f.index != len(self.tokens):
-            raise _Failed(f"relay stream out of order: token {f.index}, expected {len(self.tokens)}")
+        if f.index != self.rld_made:
+            raise _Failed(f"relay stream out of order: token {f.index}, expected {self.rld_made}")
+        if self.pace_gap_s is not None:
+            self._on_rld_token_paced(f, last)
+            return
         self._emit(f.token, Leg.RLD)
+        self.out_s = f.now
         if last:
             self._note_rld_pace(f.now)
         if self.overlap_from is not None:
@@ -343,6 +363,7 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
         if self.stop_at is not None:
             self.rld_end = reason       # done while paused: MD may yet hand the stream back
             return
+        self._flush_queued(now)
         self.ended_on_rld = True
         if self.session is not None and not self.session.state.terminal:
             self.session.on_rld_finished(now, len(self.tokens))
@@ -374,10 +395,10 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
             self._drop_md("abnormal traffic: RLD finishes first")
 
     # --- output ----------------------------------------------------------------------
-    def _emit(self, token: int, source: Leg) -> None:
+    def _emit(self, token: int, source: Leg, held: bool = False) -> None:
         self.tokens.append(token)
         self.rld_emitted += source is Leg.RLD
-        self._out.append(Emit(token, source, len(self.tokens) - 1))
+        self._out.append(Emit(token, source, len(self.tokens) - 1, held))
 
     def _note(self, event: str, **fields) -> None:
         self._out.append(Note(event, fields))

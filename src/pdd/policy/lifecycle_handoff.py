@@ -11,6 +11,9 @@ applies once MD's copy of the prompt's KV has landed.
       pause RLD; MD's tokens are checked against the user's and kept ahead
       (`md_ahead`); the stream moves to MD when MD has the next index first
       (`_overlap_switch`); a disagreement leaves the request to RLD
+    paced (MD about as fast as RLD): as the overlap, but RLD's tokens queue
+      (`queued`) and go out `pace_gap_s` apart (`_release`, at a `Wake` when
+      none comes sooner) until MD has the user's next index first
     MD's stream ends -> finish, or a failure for `lifecycle_recovery.py`
 """
 
@@ -83,6 +86,7 @@ class HandoffRules:
             if self.done is None and len(self.tokens) not in self.md_ahead:
                 # MD's last token is one the user has (checked): so is the
                 # whole answer. RLD, paused or about to end the same way, goes.
+                self._flush_queued(f.now)
                 self.session.on_rld_finished(f.now, len(self.tokens))
                 self.ended_on_rld = True
                 if Leg.RLD in self.open_legs:
@@ -128,9 +132,12 @@ class HandoffRules:
             if toks or act.final:
                 self.md_extend_s = now
                 self._out.append(ExtendMd(self.md_id, tuple(toks), act.final))
-                if act.final and self.session.mode is HandoffMode.OVERLAP:
+                if act.final and self.session.overlaps:
                     self.overlap_from = act.end      # MD's first token of its own
                     self.rld_hold_at = None
+                    if self.session.paced:
+                        self.pace_gap_s = self._pace_gap()
+                        self._note("paced", gap_s=round(self.pace_gap_s, 4))
                     return
                 if act.final:
                     # RLD's tokens past stop_at are held back from here on, so
@@ -148,9 +155,14 @@ class HandoffRules:
             self._complete(now)
         self._hold_ahead()
 
+    @property
+    def rld_made(self) -> int:
+        """The user's tokens plus RLD's held back by a paced handoff."""
+        return len(self.tokens) + len(self.queued)
+
     def _note_rld_pace(self, now: float) -> None:
         """When RLD's tokens reached the router (the last fact's last one)."""
-        self.rld_seen.append((now, len(self.tokens)))
+        self.rld_seen.append((now, self.rld_made))
         del self.rld_seen[:-RLD_PACE_FACTS]
 
     def rld_pace_s(self) -> float | None:
@@ -170,9 +182,68 @@ class HandoffRules:
         tokens = sum(n for _, n in spans)
         return sum(t for t, _ in spans) / tokens if tokens else None
 
+    # --- paced -------------------------------------------------------------------------
+    def _pace_gap(self) -> float:
+        """The least gap between the user's tokens while MD catches up:
+        `handoff_pace_ratio` of the faster of MD's pace and RLD's. MD's is
+        its time per token on this request once two of its own tokens came
+        (`md_pace_s`; its reported decode step before): beside RLD on one
+        core MD runs at RLD's pace, and a stretch of its mean step alone
+        would never let it catch up. Gaps slower than MD's let MD's own
+        tokens, a round trip and an extend behind RLD's, gain on the user's
+        stream a fraction of MD's gap a token; RLD's pace bounds the stretch,
+        so an MD slower than RLD does not slow the user down to its own pace
+        (it does not catch up, and RLD pauses at the lag bound)."""
+        md = self.md_pace_s() or (self.md_view.step_time_s if self.md_view is not None else None)
+        rld = self.rld_pace_s() or (self.rld_view.step_time_s if self.rld_view is not None else None)
+        paces = [p for p in (md, rld) if p and p > 0]
+        return self.cfg.handoff_pace_ratio * (min(paces) if paces else self.cfg.rld_tpot_prior_s)
+
+    def md_pace_s(self) -> float | None:
+        """MD's time per token over its own last tokens while it races RLD."""
+        if len(self.md_seen) < 2:
+            return None
+        (t0, i0), (t1, i1) = self.md_seen[0], self.md_seen[-1]
+        return (t1 - t0) / (i1 - i0) if i1 > i0 and t1 > t0 else None
+
+    def _on_rld_token_paced(self, f: DecodeToken, last: bool) -> None:
+        """Paced: RLD's token waits its turn; RLD holds once far enough ahead."""
+        self.queued.append((f.token, f.now))
+        if last:
+            self._note_rld_pace(f.now)
+        self._release(f.now)
+        if last:
+            self._overlap_lag_check()
+
+    def _release(self, now: float) -> None:
+        """Paced: RLD's oldest held-back token goes out once `pace_gap_s` has
+        passed since the user's last token (`wake_s` asks for the time)."""
+        while self.queued and self.done is None and self.pace_gap_s is not None:
+            if self.out_s is not None and now < self.out_s + self.pace_gap_s - 1e-9:
+                return
+            tok, came = self.queued.pop(0)
+            self._emit(tok, Leg.RLD, held=now > came)
+            self.out_s = now
+            self._overlap_after_rld_token(now)
+
+    def _flush_queued(self, now: float) -> None:
+        """No more pacing (RLD ends the request, MD will not take it, RLD is
+        lost): RLD's held-back tokens go out at once, in order."""
+        self.pace_gap_s = None
+        while self.queued and self.done is None:
+            tok, came = self.queued.pop(0)
+            self._emit(tok, Leg.RLD, held=now > came)
+        self.queued.clear()
+        self.out_s = now
+
     # --- overlap -----------------------------------------------------------------------
     def _on_md_token_overlapping(self, f: DecodeToken) -> None:
-        """MD decodes beside RLD: a token the user has must agree; one ahead waits."""
+        """MD decodes beside RLD: a token the user has must agree; one ahead
+        waits. A paced handoff's gap follows MD's pace as measured."""
+        self.md_seen.append((f.now, f.index))
+        del self.md_seen[:-RLD_PACE_FACTS]
+        if self.pace_gap_s is not None and len(self.md_seen) >= 2:
+            self.pace_gap_s = self._pace_gap()
         if f.index < len(self.tokens):
             if self.tokens[f.index] != f.token:
                 self._overlap_diverged(f.now, f.index)
@@ -188,10 +259,17 @@ class HandoffRules:
             self._overlap_diverged(now, i)
             return
         self._overlap_switch(now)
+        if self.pace_gap_s is None:
+            self._overlap_lag_check()
+
+    def _overlap_lag_check(self) -> None:
+        """RLD `overlap_max_lag` tokens past the final batch (paced: twice
+        that, as MD gains only part of a step a token) and MD still behind:
+        RLD holds, MD's own tokens catch up."""
+        bound = self.cfg.overlap_max_lag * (2 if self.pace_gap_s is not None else 1)
         if (self.owner is Leg.RLD and self.overlap_from is not None and self.stop_at is None
-                and len(self.tokens) - self.overlap_from >= self.cfg.overlap_max_lag):
-            # MD has not overtaken RLD: RLD holds, MD's own tokens catch up.
-            self.stop_at = len(self.tokens)
+                and self.done is None and self.rld_made - self.overlap_from >= bound):
+            self.stop_at = self.rld_made
             self._note("overlap_pause", at=self.stop_at)
             self._out.append(PauseRld(self.rld_id))
 
@@ -202,13 +280,17 @@ class HandoffRules:
         MD is `overlap_max_ahead` tokens ahead, RLD is paused or gone, or MD
         has ended."""
         n = len(self.tokens)
+        # (RLD's token n held back by pacing is here already: no reason to wait)
         waits = n not in self.md_ahead or (n == self.overlap_from and self.stop_at is None and self.md_end is None
+                                           and not self.queued
                                            and len(self.md_ahead) < self.cfg.overlap_max_ahead)
         if waits and not force:
             return
         self.session.on_overlap_switch(now, n)
         self.stop_at = n
         self.held.clear()
+        self.queued.clear()           # RLD's copies of what MD now sends
+        self.pace_gap_s = None
         self._complete(now)
         while len(self.tokens) in self.md_ahead:
             self._emit(self.md_ahead.pop(len(self.tokens)), Leg.MD)
@@ -223,16 +305,18 @@ class HandoffRules:
         ends the request (resumed if it was told to pause)."""
         self._note("overlap_diverged", index=index)
         self.session.on_overlap_diverged(now)
-        self._end_overlap()
+        self._end_overlap(now)
         self.md_live = False
         self._close(Leg.MD)
         self._out.append(Abort(Leg.MD, self.md_id, keep_kv=True, background=True))
         self._resume_paused_rld(now)
 
-    def _end_overlap(self) -> None:
-        """MD will not take the stream: nothing of its overlap is kept."""
+    def _end_overlap(self, now: float) -> None:
+        """MD will not take the stream: nothing of its overlap is kept; RLD's
+        tokens a paced handoff held back go out."""
         self.overlap_from, self.md_end = None, None
         self.md_ahead.clear()
+        self._flush_queued(now)
 
     def _hold_ahead(self) -> None:
         """A final batch armed for RLD's next token: RLD holds right after

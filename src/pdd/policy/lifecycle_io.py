@@ -156,8 +156,15 @@ class DeadlinePassed:
     now: float
 
 
+@dataclass(frozen=True)
+class Wake:
+    """The time the lifecycle asked for (`RequestLifecycle.wake_s`) has come:
+    a paced handoff lets RLD's next held-back token out."""
+    now: float
+
+
 Fact = (Prefilled | TransferEnded | PrefillEnded | DecodeToken | DecodeTokens | KvReady | Extended | DecodeEnded
-        | PeerGone | ClientGone | DeadlinePassed)
+        | PeerGone | ClientGone | DeadlinePassed | Wake)
 
 
 # --- commands ----------------------------------------------------------------
@@ -247,6 +254,9 @@ class Emit:
     token: int
     source: Leg
     index: int
+    # A paced handoff held this token back: it goes out now, later than it
+    # came (the gap before it is the handoff's, `handoff_gap_s`).
+    held: bool = False
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ _DROPPED = ("release_p", "wan_failed")
 NOTE_EVENTS = {"kv_ready": None, "md_ready": "mode", "handoff_complete": None, "md_parked": None,
                "md_dropped": None, "filter_cancel": None, "failover": None, "rld_lost": None,
                "rld_lost_action": "action", "rld_lost_resend": None, "md_takeover": None,
-               "overlap_pause": None, "overlap_diverged": None}
+               "overlap_pause": None, "overlap_diverged": None, "paced": None}
 
 
 def note_word(event: str, fields: dict) -> str:

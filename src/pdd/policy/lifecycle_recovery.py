@@ -52,7 +52,9 @@ class RecoveryRules:
         self.lost.add(rld)
         if self.overlap_from is not None and self.md_live:
             # MD decodes this request already (an overlap handoff): it takes
-            # the stream at the user's next token, as it comes.
+            # the stream at the user's next token, as it comes (after RLD's
+            # tokens a paced handoff held back: they are the user's).
+            self._flush_queued(now)
             self._note("rld_lost", instance=rld, reason=why, tokens=len(self.tokens))
             self._overlap_switch(now, force=True)
             return
@@ -105,7 +107,7 @@ class RecoveryRules:
         self._drop_md(why)
         if self.session is not None and not self.session.state.terminal:
             self.session.on_failed(now, why)
-        self._end_overlap()
+        self._end_overlap(now)
         self._resume_paused_rld(now)
 
     def _resume_paused_rld(self, now: float) -> None:

@@ -5,7 +5,8 @@ request after routing: eager tokens, the extend handoff, the live filter,
 the warm push, failover, RLD or MD lost. This module only moves bytes:
 
     decide (policy.choose_pipeline, plan_warm) -> RequestLifecycle (counts it in the budgets)
-    loop: next NDJSON event (P, RLD, MD) or a stall -> one fact -> commands
+    loop: next NDJSON event (P, RLD, MD), a stall or the lifecycle's wake
+          time (`wake_s`: a paced handoff's next token) -> one fact -> commands
           -> HTTP calls (open a decode, send / cancel / release, extend, abort),
              tokens to the user, trace events
     Finish -> the flow ends (FlowError for an error); P stays open while a copy
@@ -58,6 +59,7 @@ class PddRun:
         self.lanes: dict[str, asyncio.Task] = {}     # instance -> its last control call (in order)
         self.log = DecisionLog()                     # the commands, for the trace ("lifecycle")
         self.p_counted: str | None = None            # P counts this request as its own until it prefilled it
+        self.switched = False                        # MD's first token has gone out
 
     def facts(self) -> RequestFacts:
         ctx = self.ctx
@@ -147,13 +149,19 @@ class PddRun:
 
     async def next_fact(self):
         """The next stream event as a fact, or `PeerGone` for a watched stream
-        silent past stream_stall_s, or `DeadlinePassed`."""
+        silent past stream_stall_s, or `DeadlinePassed`, or `Wake` once the
+        lifecycle's wake time has come."""
         stall_s = self.cluster.spec.stream_stall_s
         while True:
             now = time.monotonic()
             if now >= self.ctx.deadline_s:
                 return io.DeadlinePassed(now)
             wait = self.ctx.deadline_s - now
+            wake = self.lc.wake_s()
+            if wake is not None:
+                if now >= wake:
+                    return io.Wake(now)
+                wait = min(wait, wake - now)
             for leg, since in self.lc.watched():
                 member = self.members[leg]
                 if stalled(since, now, stall_s, member.answered_s):
@@ -161,7 +169,7 @@ class PddRun:
                     return io.PeerGone(now, leg, why, self.healthy())
                 wait = min(wait, since + stall_s - now + 0.05)
             try:
-                src, ev = await asyncio.wait_for(self.streams.queue.get(), max(0.01, wait))
+                src, ev = await asyncio.wait_for(self.streams.queue.get(), max(0.001, wait))
             except asyncio.TimeoutError:
                 continue
             fact = self.to_fact(src, ev, time.monotonic())
@@ -232,7 +240,7 @@ class PddRun:
         for cmd in cmds:
             self.log.add(cmd)
             if isinstance(cmd, io.Emit):
-                self.emit(cmd.token, cmd.source.value)
+                self.emit(cmd.token, cmd.source.value, cmd.held)
             elif isinstance(cmd, io.EmitRun):
                 for tok in cmd.tokens:
                     self.emit(tok, cmd.source.value)
@@ -270,7 +278,7 @@ class PddRun:
     async def carry_out(self, cmd) -> None:
         ctx, c, rid = self.ctx, self.cluster, self.ctx.request_id
         if isinstance(cmd, io.Emit):
-            self.emit(cmd.token, cmd.source.value)
+            self.emit(cmd.token, cmd.source.value, cmd.held)
         elif isinstance(cmd, io.EmitRun):            # only for `DecodeTokens`, which we never send
             for tok in cmd.tokens:
                 self.emit(tok, cmd.source.value)
@@ -346,9 +354,15 @@ class PddRun:
             self.cluster.dispatched(self.p_counted, -1)
             self.p_counted = None
 
-    def emit(self, tok: int, source: str) -> None:
-        if source == "md" and self.ctx.trace.rld_tokens and self.ctx.trace.handoff_gap_s is None:
-            self.ctx.trace.handoff_gap_s = time.time() - self.ctx.trace.token_times_s[-1]
+    def emit(self, tok: int, source: str, held: bool = False) -> None:
+        """The user's next token. The handoff's gap (`handoff_gap_s`) is the
+        largest before MD's first token after RLD's and before each of RLD's
+        tokens a paced handoff held back."""
+        t = self.ctx.trace
+        if t.token_times_s and (held or source == "md" and t.rld_tokens and not self.switched):
+            gap = time.time() - t.token_times_s[-1]
+            t.handoff_gap_s = gap if t.handoff_gap_s is None else max(t.handoff_gap_s, gap)
+        self.switched = self.switched or source == "md"
         self.out.append(self.ctx.emit(tok, source))
 
     def note(self, cmd: io.Note) -> None:

@@ -15,7 +15,7 @@ The cluster looks the objects up by id when it handles the record.
                     BeginArrives, HaveArrives (a transfer's handshake),
                     FlowTailArrives, CopyFailed, CancelTaken, LinkCut,
                     LinkRestored, MdReadyReachesRld, ExtendedReachesRld,
-                    ExtendReachesMd
+                    ExtendReachesMd, LifecycleWake, MdTokensReachRouter
     ARRIVAL         Arrival: a request reaches the router's policy
 
 `MdReadyReachesRld` and `ExtendedReachesRld` wait in the receiving
@@ -142,6 +142,37 @@ class CancelTaken:
     KIND: ClassVar[EventKind] = EventKind.MESSAGE
     request_id: str
     dst_id: str
+
+    @property
+    def key(self) -> str:
+        return self.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleWake:
+    """`request_id`'s lifecycle asked to be woken at `at` (a paced handoff's
+    next held-back token); stale if it has asked for another time since."""
+    KIND: ClassVar[EventKind] = EventKind.MESSAGE
+    request_id: str
+    at: float
+
+    @property
+    def key(self) -> str:
+        return self.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class MdTokensReachRouter:
+    """MD's `count` tokens from `first` on of `request_id` reach the router,
+    later than RLD's made at the same time by MD's further way there, from
+    the race of an overlap or paced handoff on (their times wait on the
+    request, `SimRequest.md_in_flight`); `ends`: MD's stream ends with them."""
+    KIND: ClassVar[EventKind] = EventKind.MESSAGE
+    request_id: str
+    md_id: str
+    first: int
+    count: int
+    ends: bool
 
     @property
     def key(self) -> str:

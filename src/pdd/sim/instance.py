@@ -60,7 +60,7 @@ class Seq:
     """A request's decoding presence on an instance."""
 
     __slots__ = ("req", "context", "stop_at", "decoding", "num_blocks", "relay", "shared", "removed",
-                 "first", "next_index")
+                 "first", "next_index", "single")
 
     def __init__(self, req: SimRequest, context: int, num_blocks: int, relay: bool,
                  decoding: bool = True, shared: list[int] | None = None) -> None:
@@ -77,6 +77,9 @@ class Seq:
         # The output index of the token its next step makes (RLD and MD each
         # count their own: after a handoff MD continues at stop_at).
         self.next_index = req.num_generated
+        # Step by step (no macro steps) while its tokens race another
+        # decoder's: an overlap or paced handoff's MD (the driver sets it).
+        self.single = False
 
     @property
     def finished(self) -> bool:
@@ -301,7 +304,7 @@ class SimInstance:
         for s in fresh:
             n_pre += s.first - 1
             pairs += chunk_pairs(s.context - s.first, s.first) - (s.context + 1)
-        if chunks or fresh or not batch or self.waiters:
+        if chunks or fresh or not batch or self.waiters or any(s.single for s in batch):
             k = 1
         else:
             k = min(self.max_macro_steps, min(s.tokens_left() for s in batch))

@@ -4,7 +4,8 @@ warm push, failover, P's release, the outcome) come from the same object
 the router's `PddRun` drives; this module only times them.
 
     simulated event (KV landed, a step's tokens, MD ready at RLD's step
-      boundary, an extend done) -> a fact with `now` -> commands
+      boundary, an extend done, the lifecycle's wake time) -> a fact with
+      `now` -> commands
     commands -> simulated work: a transfer on a link, a sequence on a
       decoder, an extend job after one-way latency, a pause, an abort,
       the user's token at its time, the request's end
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 from pdd.policy import lifecycle_io as io
 from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.views import Role
-from pdd.sim.events import ExtendedReachesRld, ExtendReachesMd, MdReadyReachesRld
+from pdd.sim.events import (
+    ExtendedReachesRld, ExtendReachesMd, LifecycleWake, MdReadyReachesRld, MdTokensReachRouter, StepEnd,
+)
 from pdd.sim.instance import Job, JobKind, Seq, SimInstance
 from pdd.sim.loop import Event
 from pdd.sim.request import SimRequest
@@ -42,6 +45,8 @@ class LifecycleDriverMixin:
         for record_type in (MdReadyReachesRld, ExtendedReachesRld):
             self.loop.on(record_type, self._on_reaches_rld)
         self.loop.on(ExtendReachesMd, self._on_extend_reaches_md)
+        self.loop.on(LifecycleWake, self._on_wake)
+        self.loop.on(MdTokensReachRouter, self._on_md_tokens_reach_router)
 
     # --- facts in ------------------------------------------------------------
     def _begin(self, req: SimRequest, d, matched: int, now: float) -> list[Event]:
@@ -53,7 +58,38 @@ class LifecycleDriverMixin:
     def _feed(self, req: SimRequest, fact, times: list[float] = (), first: int = 0) -> list[Event]:
         """`times[k]`: when token `first + k` was made (a step's tokens); other
         tokens the fact releases were made at `fact.now`."""
-        return self._carry(req, req.lc.handle(fact), fact.now, times, first)
+        evs = self._carry(req, req.lc.handle(fact), fact.now, times, first)
+        return evs + self._after_fact(req, fact.now)
+
+    def _after_fact(self, req: SimRequest, now: float) -> list[Event]:
+        """The lifecycle's wake time, as an event; RLD's and MD's sequences
+        step one token at a time while their tokens race (an overlap or a
+        paced handoff: the switch is decided token by token, as the router
+        sees the two streams), in macro steps again once the race is over."""
+        lc = req.lc
+        evs: list[Event] = []
+        racing = lc.overlap_from is not None and lc.owner is io.Leg.RLD and lc.done is None
+        for iid, seq in req.seqs.values():
+            if seq.single != racing:
+                seq.single = racing
+                inst = self.instances[iid]
+                t = inst.interrupt(now) if racing and inst.busy else None
+                if t is not None:            # a macro step under way ends at its next boundary
+                    evs.append(Event(t, StepEnd(iid, inst.version)))
+        wake = lc.wake_s()
+        if wake is None or wake == req.wake_at:
+            return evs
+        req.wake_at = wake
+        return evs + [Event(max(wake, now), LifecycleWake(req.spec.request_id, wake))]
+
+    def _on_wake(self, ev: Event) -> list[Event]:
+        req = self.by_id.get(ev.record.request_id)
+        if req is None or req.lc is None or req.wake_at != ev.record.at:
+            return []                        # stale: the lifecycle asked for another time since
+        req.wake_at = None
+        if req.lc.wake_s() is None:
+            return []
+        return self._feed(req, io.Wake(ev.time))
 
     def _on_tokens(self, inst: SimInstance, seq: Seq, times: list[float], now: float) -> list[Event]:
         """A step's tokens for `seq`: one fact for all of them, then the
@@ -68,11 +104,35 @@ class LifecycleDriverMixin:
         first = seq.next_index - len(times)
         if leg is io.Leg.MD and req.lc.overlap_from is not None and req.lc.owner is io.Leg.RLD:
             req.md_made.update(zip(range(first, seq.next_index), times))
+            req.md_travels = req.md_travels or self._md_lag_s(req, inst) > 0
+        if leg is io.Leg.MD and req.md_travels:
+            req.md_in_flight[first] = list(times)
+            msg = MdTokensReachRouter(req.spec.request_id, inst.instance_id, first, len(times), seq.finished)
+            return [self._later(self._md_lag_s(req, inst), msg)]
         fact = io.DecodeTokens(now, leg, first, tuple(range(first, seq.next_index)),
                                inst.view() if seq.relay else None)
         evs = self._feed(req, fact, times, first)
         if seq.finished:
             evs += self._stream_ended(req, leg, now)
+        return evs
+
+    def _md_lag_s(self, req: SimRequest, md: SimInstance) -> float:
+        """How much later MD's token reaches the router than RLD's made at
+        the same time (the lifecycle's clock is the RLD side's)."""
+        rld = self.instances.get(req.lc.rld_id) if req.lc.rld_id else None
+        return max(0.0, md.deliver_s - (rld.deliver_s if rld is not None else 0.0))
+
+    def _on_md_tokens_reach_router(self, ev: Event) -> list[Event]:
+        msg, now = ev.record, ev.time
+        req = self.by_id[msg.request_id]
+        times = req.md_in_flight.pop(msg.first, [])
+        md_id, seq = req.seqs.get(io.Leg.MD, (None, None))
+        if req.lc.done is not None or seq is None or md_id != msg.md_id:
+            return []                        # closed meanwhile: the router drops them
+        fact = io.DecodeTokens(now, io.Leg.MD, msg.first, tuple(range(msg.first, msg.first + msg.count)))
+        evs = self._feed(req, fact, times, msg.first)
+        if msg.ends:
+            evs += self._stream_ended(req, io.Leg.MD, now)
         return evs
 
     def _stream_ended(self, req: SimRequest, leg: io.Leg, now: float) -> list[Event]:
@@ -191,10 +251,14 @@ class LifecycleDriverMixin:
             if isinstance(cmd, io.Emit):
                 # A step's tokens come as a run of Emits from one source: one call.
                 run = [cmd]
-                while i < n and isinstance(cmds[i], io.Emit) and cmds[i].source is cmd.source:
+                while (i < n and isinstance(cmds[i], io.Emit) and cmds[i].source is cmd.source
+                       and cmds[i].held == cmd.held):
                     run.append(cmds[i])
                     i += 1
-                if cmd.source is io.Leg.MD and req.md_made and not 0 <= cmd.index - first < len(times):
+                if cmd.held:
+                    # A paced handoff let them out now (they were made before).
+                    self._emit(req, cmd.source, [now] * len(run), held=True)
+                elif cmd.source is io.Leg.MD and req.md_made and not 0 <= cmd.index - first < len(times):
                     self._emit_ahead(req, [c.index for c in run], now)
                 else:
                     self._emit(req, cmd.source, [made(c.index) for c in run])
@@ -231,12 +295,12 @@ class LifecycleDriverMixin:
                 evs += self._finish_lc(req, cmd, now)
         return evs
 
-    def _emit(self, req: SimRequest, leg: io.Leg, times: list[float]) -> None:
+    def _emit(self, req: SimRequest, leg: io.Leg, times: list[float], held: bool = False) -> None:
         """The user's next tokens, made at `times`, reach the user from `leg`'s instance."""
         iid = (req.seqs.get(leg) or req.legs.get(leg) or (req.p_id,))[0] if leg is not io.Leg.P else req.p_id
         if leg is io.Leg.P and req.num_generated == 0:
             req.p_first = True
-        req.emit(times, relay=leg is io.Leg.RLD, delay_s=self.instances[iid].deliver_s)
+        req.emit(times, relay=leg is io.Leg.RLD, delay_s=self.instances[iid].deliver_s, held=held)
 
     def _emit_ahead(self, req: SimRequest, indices: list[int], now: float) -> None:
         """MD's tokens that ran ahead of RLD's (an overlap handoff) go out when

@@ -57,7 +57,8 @@ class SimRequest:
                  "uncached_kv_bytes", "pipeline", "pipeline_reason", "handoff_mode", "done_s", "failed",
                  "error", "p_id", "lc", "targets", "legs", "seqs", "md_context",
                  "p_blocks", "p_shared", "warm_blocks", "last_delay_s", "log", "prefill_done_s", "streamed",
-                 "kv_made_by_s", "p_first", "md_made")
+                 "kv_made_by_s", "p_first", "md_made", "last_token_s", "held_gap_s", "wake_at", "md_travels",
+                 "md_in_flight")
 
     def __init__(self, spec: RequestSpec, stride: int = 1) -> None:
         self.spec = spec
@@ -93,19 +94,31 @@ class SimRequest:
         self.kv_made_by_s: float | None = None   # streamed layer by layer: when P should have made it all
         self.p_first = False                     # the first token went out from P
         self.md_made: dict[int, float] = {}      # overlap handoff: when MD made the tokens it ran ahead with
+        self.last_token_s: float | None = None   # when the user got the last token
+        self.held_gap_s: float | None = None     # paced handoff: the largest gap before a held-back token
+        self.wake_at: float | None = None        # the lifecycle's wake time, as scheduled
+        # MD's tokens reach the lifecycle when they would reach the router
+        # (from the race of an overlap or paced handoff on: in order after it)
+        self.md_travels = False
+        self.md_in_flight: dict[int, list[float]] = {}    # first index -> when MD made those tokens
 
     @property
     def finished(self) -> bool:
         return self.num_generated >= self.spec.output_tokens
 
-    def emit(self, times: list[float], relay: bool, delay_s: float = 0.0) -> None:
+    def emit(self, times: list[float], relay: bool, delay_s: float = 0.0, held: bool = False) -> None:
         """The next len(times) output tokens were made at these times and
-        reach the user `delay_s` later."""
+        reach the user `delay_s` later. `held`: a paced handoff held them
+        back (the gap before each is the handoff's)."""
         k = len(times)
         if k == 0:
             return
         if delay_s:
             times = [t + delay_s for t in times]
+        if held and self.last_token_s is not None:
+            gap = max(b - a for a, b in zip([self.last_token_s] + times, times))
+            self.held_gap_s = gap if self.held_gap_s is None else max(self.held_gap_s, gap)
+        self.last_token_s = times[-1]
         self.last_delay_s = delay_s
         first = self.num_generated
         last_idx = self.spec.output_tokens - 1
@@ -131,9 +144,9 @@ class SimRequest:
     def record(self) -> SimRequestRecord:
         spec = self.spec
         t0 = self.times[0] if self.times else None
-        gap = None
+        gap = self.held_gap_s
         if self.first_md_token_s is not None and self.last_rld_token_s is not None:
-            gap = self.first_md_token_s - self.last_rld_token_s
+            gap = max(gap or 0.0, self.first_md_token_s - self.last_rld_token_s)
         return SimRequestRecord(
             request_id=spec.request_id, arrival_s=spec.arrival_s,
             prompt_tokens=spec.prompt_tokens, output_tokens=self.num_generated,
