@@ -31,8 +31,10 @@ def pdd(request, tmp_path_factory, smollm2_dir):
     # direct_max_wan_s: a high-hit turn's one or two blocks go direct even
     # when the shared machine makes the line's fixed cost look high; a cold
     # 400-token prompt (~3.7 s on the line) still relays.
+    # handoff_pace_ratio 0: the paused one-shot and catch-up these test (a
+    # paced final batch leaves RLD streaming: tests/test_pdd.py).
     policy = {"handoff_mode": request.param, "catchup_threshold_tokens": 8, "catchup_final_max_tokens": 2,
-              "enable_filter": False, "direct_max_wan_s": 2.0}
+              "enable_filter": False, "direct_max_wan_s": 2.0, "handoff_pace_ratio": 0}
     dep = start(tmp_path_factory, smollm2_dir, f"vllm-pdd-{request.param}", policy, wan_mbps=40.0)
     yield dep, request.param
     dep.stop()
