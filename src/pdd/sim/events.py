@@ -137,46 +137,39 @@ class LinkRestored(_OnLink):
 
 
 @dataclass(frozen=True, slots=True)
-class CancelTaken:
-    """P took the cancel of `request_id`'s copy to `dst_id`: it reports it failed."""
+class _ForRequest:
+    """A message about one request: ordered by it."""
     KIND: ClassVar[EventKind] = EventKind.MESSAGE
     request_id: str
+
+    @property
+    def key(self) -> str:
+        return self.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTaken(_ForRequest):
+    """P took the cancel of `request_id`'s copy to `dst_id`: it reports it failed."""
     dst_id: str
 
-    @property
-    def key(self) -> str:
-        return self.request_id
-
 
 @dataclass(frozen=True, slots=True)
-class LifecycleWake:
+class LifecycleWake(_ForRequest):
     """`request_id`'s lifecycle asked to be woken at `at` (a paced handoff's
     next held-back token); stale if it has asked for another time since."""
-    KIND: ClassVar[EventKind] = EventKind.MESSAGE
-    request_id: str
     at: float
-
-    @property
-    def key(self) -> str:
-        return self.request_id
 
 
 @dataclass(frozen=True, slots=True)
-class MdTokensReachRouter:
+class MdTokensReachRouter(_ForRequest):
     """MD's `count` tokens from `first` on of `request_id` reach the router,
     later than RLD's made at the same time by MD's further way there, from
     the race of an overlap or paced handoff on (their times wait on the
     request, `SimRequest.md_in_flight`); `ends`: MD's stream ends with them."""
-    KIND: ClassVar[EventKind] = EventKind.MESSAGE
-    request_id: str
     md_id: str
     first: int
     count: int
     ends: bool
-
-    @property
-    def key(self) -> str:
-        return self.request_id
 
 
 @dataclass(frozen=True, slots=True)
