@@ -190,18 +190,19 @@ class HandoffSession:
     # --- read-only facts --------------------------------------------------
     @property
     def overlaps(self) -> bool:
-        """The final batch leaves RLD streaming (overlap, paced, a paced catch-up)."""
-        return self.mode in (HandoffMode.OVERLAP, HandoffMode.PACED) or self.paced
+        """The final batch leaves RLD streaming: overlap, paced, and catch-up
+        while pacing is on."""
+        return (self.mode in (HandoffMode.OVERLAP, HandoffMode.PACED)
+                or self.mode is HandoffMode.CATCH_UP and self.cfg.handoff_pace_ratio > 0)
 
     @property
     def paced(self) -> bool:
         """RLD's tokens go out no faster than a stretch of MD's pace once the
-        final batch is out: a paced handoff or catch-up, and an overlap too
-        (where MD really is faster, RLD's own gaps are longer than that
-        stretch and nothing waits; where MD only looked faster, as beside
-        RLD on one core, MD still catches up)."""
-        return (self.mode in (HandoffMode.PACED, HandoffMode.CATCH_UP, HandoffMode.OVERLAP)
-                and self.cfg.handoff_pace_ratio > 0)
+        final batch is out: every session that overlaps while pacing is on,
+        an overlap too (where MD really is faster, RLD's own gaps are longer
+        than that stretch and nothing waits; where MD only looked faster, as
+        beside RLD on one core, MD still catches up)."""
+        return self.overlaps and self.cfg.handoff_pace_ratio > 0
 
     @property
     def batches_sent(self) -> tuple[SendBatch, ...]:

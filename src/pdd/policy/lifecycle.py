@@ -181,6 +181,12 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
             out.append((Leg.MD, max(self.md_ready_s, self.seen_s.get(Leg.MD, 0.0), self.md_extend_s or 0.0)))
         return out
 
+    @property
+    def racing(self) -> bool:
+        """MD decodes on its own beside RLD (an overlap or paced handoff's
+        final batch is out) while the user's stream is still RLD's."""
+        return self.owner is Leg.RLD and self.overlap_from is not None
+
     def wake_s(self) -> float | None:
         """When the lifecycle wants a `Wake` fact (a paced handoff's next
         held-back token is due), or None."""

@@ -61,7 +61,7 @@ class HandoffRules:
     def _on_md_token(self, f: DecodeToken) -> None:
         if not self.md_live:
             return
-        if self.owner is Leg.RLD and self.overlap_from is not None:
+        if self.racing:
             self._on_md_token_overlapping(f)
             return
         if self.owner is Leg.RLD and self.stop_at is not None and f.index == self.stop_at:
@@ -77,7 +77,7 @@ class HandoffRules:
     def _on_md_ended(self, f: DecodeEnded) -> None:
         if not self.md_live:
             return
-        if self.owner is Leg.RLD and self.overlap_from is not None and f.reason.normal:
+        if self.racing and f.reason.normal:
             # MD made its last token (EOS or the bound) while overlapping: it
             # takes the stream if it has the next index, else RLD, making the
             # same tokens, ends the request itself.
@@ -267,8 +267,7 @@ class HandoffRules:
         that, as MD gains only part of a step a token) and MD still behind:
         RLD holds, MD's own tokens catch up."""
         bound = self.cfg.overlap_max_lag * (2 if self.pace_gap_s is not None else 1)
-        if (self.owner is Leg.RLD and self.overlap_from is not None and self.stop_at is None
-                and self.done is None and self.rld_made - self.overlap_from >= bound):
+        if self.racing and self.stop_at is None and self.done is None and self.rld_made - self.overlap_from >= bound:
             self.stop_at = self.rld_made
             self._note("overlap_pause", at=self.stop_at)
             self._out.append(PauseRld(self.rld_id))

@@ -59,7 +59,6 @@ class PddRun:
         self.lanes: dict[str, asyncio.Task] = {}     # instance -> its last control call (in order)
         self.log = DecisionLog()                     # the commands, for the trace ("lifecycle")
         self.p_counted: str | None = None            # P counts this request as its own until it prefilled it
-        self.switched = False                        # MD's first token has gone out
 
     def facts(self) -> RequestFacts:
         ctx = self.ctx
@@ -359,10 +358,10 @@ class PddRun:
         largest before MD's first token after RLD's and before each of RLD's
         tokens a paced handoff held back."""
         t = self.ctx.trace
-        if t.token_times_s and (held or source == "md" and t.rld_tokens and not self.switched):
+        switch = source == "md" and t.token_sources[-1:] == ["rld"]
+        if t.token_times_s and (held or switch):
             gap = time.time() - t.token_times_s[-1]
             t.handoff_gap_s = gap if t.handoff_gap_s is None else max(t.handoff_gap_s, gap)
-        self.switched = self.switched or source == "md"
         self.out.append(self.ctx.emit(tok, source))
 
     def note(self, cmd: io.Note) -> None:

@@ -68,7 +68,7 @@ class LifecycleDriverMixin:
         sees the two streams), in macro steps again once the race is over."""
         lc = req.lc
         evs: list[Event] = []
-        racing = lc.overlap_from is not None and lc.owner is io.Leg.RLD and lc.done is None
+        racing = lc.racing and lc.done is None
         for iid, seq in req.seqs.values():
             if seq.single != racing:
                 seq.single = racing
@@ -102,7 +102,7 @@ class LifecycleDriverMixin:
         if req.seqs.get(leg, (None, None))[1] is not seq:
             return []                        # closed meanwhile: the instance dropped them
         first = seq.next_index - len(times)
-        if leg is io.Leg.MD and req.lc.overlap_from is not None and req.lc.owner is io.Leg.RLD:
+        if leg is io.Leg.MD and req.lc.racing:
             req.md_made.update(zip(range(first, seq.next_index), times))
             req.md_travels = req.md_travels or self._md_lag_s(req, inst) > 0
         if leg is io.Leg.MD and req.md_travels:
