@@ -60,9 +60,16 @@ def test_concurrent_requests_chunked_prefill_equal_each_alone(tiny_model):
     assert got == refs
     assert any(r.num_prefill_tokens and r.num_decode_tokens for r in eng.step_log), "no mixed step"
     assert eng.pool.num_used == 0
-    # the stats carry the last 16 steps that computed prompts, newest first (the router fits P's costs)
-    pre = [r for r in eng.step_log if r.num_prefill_tokens][::-1][:16]
-    assert eng.stats()["prefill_steps"] == [[r.num_prefill_tokens, round(r.wall_s, 6)] for r in pre]
+    # the stats carry the last steps that computed prompts, newest first, with
+    # their attention work (the router fits P's step, token and attention costs)
+    from pdd.policy.views import PREFILL_FIT_STEPS, prefill_attention
+    pre = [r for r in eng.step_log if r.num_prefill_tokens][::-1][:PREFILL_FIT_STEPS]
+    assert eng.stats()["prefill_steps"] == [[r.num_prefill_tokens, round(r.wall_s, 6), r.prefill_attn] for r in pre]
+    # one prompt alone in 48-token chunks: each step's attention is its chunk's
+    eng = make_engine(tiny_model, max_num_batched_tokens=48)
+    run(eng, [EngineRequest("a", prompt(30, 130), greedy(2))])
+    assert [(r.num_prefill_tokens, r.prefill_attn) for r in eng.step_log if r.num_prefill_tokens] == [
+        (48, prefill_attention(0, 48)), (48, prefill_attention(48, 48)), (34, prefill_attention(96, 34))]
     # each step's CPU time on the engine's thread: spent, and no more than its wall time
     assert all(0 < r.cpu_s <= r.wall_s * 1.05 + 1e-3 for r in eng.step_log)
 

@@ -98,6 +98,17 @@ def test_first_gap_ratio_counts_only_first_tokens_from_p():
     assert m["num_first_from_p"] == 2 and m["first_gap_ratio"] == pytest.approx(3.0)
 
 
+def test_a_relay_whose_first_token_came_from_p_counts_rlds_own_tokens_only():
+    """P sent a relay's first token: every RLD token is RLD's own decoding, so
+    one is enough for a handoff; none (MD relieved RLD at once) is an early
+    first token only."""
+    one = rec("o", 0.0, [0.1, 0.2, 0.4, 0.5], handoff_gap_s=0.2, rld_tokens=1, first_token_from_p=True)
+    none = rec("n", 0.0, [0.1, 0.5, 0.6, 0.7], handoff_gap_s=0.4, rld_tokens=0, first_token_from_p=True)
+    plain = rec("p", 0.0, [0.1, 0.2, 0.3, 0.4])
+    assert handoff_gap_ratio([one, none, plain]) == pytest.approx(2.0)     # only `one`: 0.2 / 0.1
+    assert first_gap_ratio([none, plain]) == pytest.approx(4.0)
+
+
 def test_a_relay_relieved_before_rld_decoded_is_an_early_first_token_not_a_handoff():
     """RLD passed on P's first token only (rld_tokens 1) when MD took over: the
     user's wait for MD's first token is the early first token's gap; a switch

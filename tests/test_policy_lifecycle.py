@@ -118,6 +118,55 @@ def test_md_failing_after_p_first_token_fails_over_to_rld_without_repeating_it()
     assert lc.tokens == [ref(i) for i in range(20)] and out[-1].outcome is Outcome.FAILOVER
 
 
+NEAR_RLD = dataclasses.replace(RELAY, rld_wait_s=0.1)     # the local copy due 0.1 s after P's token
+
+
+@pytest.mark.parametrize("rld_wait, stall, p_first", [(0.1, 0.25, True), (0.4, 0.25, False),
+                                                       (0.1, 0.0, False), (math.inf, 0.25, False)])
+def test_relay_sends_p_first_token_when_rlds_copy_is_due_within_the_stall(rld_wait, stall, p_first):
+    """A relay's first token goes out from P when RLD should hold the KV
+    within first_token_max_stall_s (the local copy); RLD's copy of it is then
+    skipped and RLD's own tokens follow from index 1, as they would have."""
+    cfg = dataclasses.replace(CFG, first_token_max_stall_s=stall)
+    lc, _ = started(dataclasses.replace(RELAY, rld_wait_s=rld_wait), cfg=cfg)
+    out = lc.handle(Prefilled(0.5, ref(0)))
+    assert emitted(out) == ([(0, ref(0), Leg.P)] if p_first else [])
+    lc.handle(TransferEnded(0.6, "r0", True))
+    out = rld_tokens(lc, 0, 5)
+    first = 1 if p_first else 0
+    assert emitted(out) == [(i, ref(i), Leg.RLD) for i in range(first, 5)]
+    assert lc.rld_emitted == 5 - first           # P's token is not RLD's in the budgets
+    lc.handle(TransferEnded(1.5, "m0", True))
+    out = lc.handle(KvReady(1.6, rld_view()))
+    assert of(out, ExtendMd) == [ExtendMd("m0", tuple(ref(i) for i in range(1, 5)), True)]
+    out = md_tokens(lc, 5, 20) + lc.handle(DecodeEnded(3.0, Leg.MD, EndReason.LENGTH))
+    assert lc.tokens == [ref(i) for i in range(20)] and out[-1] == Finish(Outcome.RELAY, FinishReason.LENGTH)
+
+
+def test_relay_p_first_token_then_rlds_copy_failing_md_takes_over_from_it():
+    """P's token is out and the copy to RLD fails: RLD is lost before it made
+    a token; MD continues from the user's one token (nothing to extend past
+    it), without sending it twice."""
+    lc, _ = started(NEAR_RLD)
+    assert emitted(lc.handle(Prefilled(0.5, ref(0)))) == [(0, ref(0), Leg.P)]
+    out = lc.handle(TransferEnded(0.6, "r0", False, "refused", healthy("m0")))
+    assert lc.owner is Leg.MD and Abort(Leg.RLD, "r0") in out
+    lc.handle(TransferEnded(1.5, "m0", True))
+    out = lc.handle(KvReady(1.6))
+    assert emitted(out) == [] and of(out, ExtendMd) == [ExtendMd("m0", (), True)]
+    out = md_tokens(lc, 1, 20) + lc.handle(DecodeEnded(2.0, Leg.MD, EndReason.LENGTH))
+    assert emitted(out) == [(i, ref(i), Leg.MD) for i in range(1, 20)]
+    assert lc.tokens == [ref(i) for i in range(20)] and out[-1].reason is FinishReason.LENGTH
+
+
+def test_relay_p_first_token_and_rld_disagreeing_fails_the_request():
+    lc, _ = started(NEAR_RLD)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    out = lc.handle(DecodeToken(0.8, Leg.RLD, 0, ref(0) + 1, rld_view()))
+    assert out[-1].reason is FinishReason.ERROR and "disagrees at token 0" in out[-1].error
+
+
 def test_relay_one_shot_handoff():
     lc, cmds = started(RELAY)
     assert of(cmds, OpenDecode) == [OpenDecode(Leg.RLD, "r0", False), OpenDecode(Leg.MD, "m0", True)]

@@ -99,6 +99,26 @@ def test_relay_needs_a_real_head_start_over_the_local_link():
     assert choose_pipeline(r, warm_rld, CFG).pipeline is Pipeline.RELAY
 
 
+def test_a_relay_carries_rlds_expected_wait_over_the_local_link():
+    """The decision says when RLD should hold the prompt KV after P's first
+    token (what RLD lacks over the measured local link); unknown without a
+    local estimate or an RLD."""
+    wan = LinkEstimate(throughput_bytes_s=20e6, rtt_s=0.05)
+    local = LinkEstimate(throughput_bytes_s=400e6, rtt_s=2e-4)
+    r = RequestFacts("r1", 2048, 256, 46_080, 16)
+    base = cluster(wan=wan)
+    view = ClusterView(base.instances, {}, wan, 10.0, local=local)
+    d = choose_pipeline(r, view, CFG)
+    assert d.pipeline is Pipeline.RELAY
+    assert d.rld_wait_s == pytest.approx(local.transfer_s(r.missing_kv_bytes(0)))
+    # RLD holding most of the prefix lacks only the rest
+    warm = ClusterView(base.instances, {"r0": 2048 - 6 * 16}, wan, 10.0, local=local)
+    assert choose_pipeline(r, warm, CFG).rld_wait_s == pytest.approx(local.transfer_s(6 * 16 * 46_080))
+    assert choose_pipeline(r, base, CFG).rld_wait_s == math.inf                  # no local estimate
+    assert choose_pipeline(r, ClusterView(cluster(wan=wan, rlds=()).instances, {}, wan, 10.0, local=local),
+                           CFG).rld_wait_s == math.inf                           # no RLD: direct
+
+
 def test_without_drc_md_cache_is_ignored():
     d = choose_pipeline(req(), cluster(md_matched=63_984), PolicyConfig(enable_drc=False))
     assert d.pipeline is Pipeline.RELAY and d.missing_bytes == 64_000 * KVB
@@ -286,7 +306,8 @@ def test_a_cold_prompt_computes_by_ps_step_and_token_costs_not_its_mean_rate():
     from pdd.policy.pipeline import wait_after_prefill
     from pdd.policy.views import fit_prefill_cost
     steps = [(52, 0.15)] * 15 + [(512, 0.43)]
-    a, b = fit_prefill_cost(steps)
+    a, b, c = fit_prefill_cost(steps)
+    assert c == 0.0                              # steps without their attention: none fitted
     assert b == pytest.approx(0.28 / 460) and a == pytest.approx(0.15 - 52 * 0.28 / 460)
     rate = sum(n for n, _ in steps) / sum(w for _, w in steps)
     p = replace(inst("p0", Role.PREFILL), prefill_tokens_s=rate, chunk_tokens=512, kv_layer_slices=6)
@@ -295,6 +316,58 @@ def test_a_cold_prompt_computes_by_ps_step_and_token_costs_not_its_mean_rate():
     assert fitted.prefill_compute_s(1471) == pytest.approx(3 * a + 1471 * b) == pytest.approx(1.25, abs=0.01)
     assert wait_after_prefill(3.41, 1471, fitted) == pytest.approx(3.41 - (3 * a + 1471 * b))
     assert wait_after_prefill(3.41, 1471, p) < CFG.direct_max_wan_s < wait_after_prefill(3.41, 1471, fitted)
+
+
+def test_a_cold_prompt_at_the_start_of_its_context_is_priced_by_its_attention_too():
+    """`results/wan-bound-62x`, a0003: P's last 16 prefill steps were warm
+    turns' 31-82 tokens over 2,300-2,900-token contexts (mostly attention).
+    Fitted on tokens alone they priced a cold prompt's 1,740 new tokens
+    (past 256 cached) at 5.3 s, so a 6.3 s copy looked hidden but for
+    0.96 s: the request went direct and its user waited 6.6 s (the prefill
+    took 2.6 s). Steps here follow that P's measured costs (0.084 s a step,
+    0.2 ms a token, 1.0 us a token per token of context; +-5% noise): fitted
+    with each step's attention over the last `PREFILL_FIT_STEPS` (cold
+    chunks among them), the same prompt is priced near its true cost."""
+    import random
+    from dataclasses import replace
+
+    from pdd.policy.pipeline import wait_after_prefill
+    from pdd.policy.views import PREFILL_FIT_STEPS, fit_prefill_cost, prefill_attention
+
+    def cost(n, start):
+        return 0.084 + 2e-4 * n + 1.0e-6 * prefill_attention(start, n)
+    rng = random.Random(7)
+    steps = []           # (new tokens, context before them): cold prompts' chunks, then warm turns
+    for _ in range(4):
+        steps += [(512, 256), (512, 768), (512, 1280), (204, 1792)]
+    steps += [(rng.randint(30, 85), rng.randint(2300, 2900)) for _ in range(PREFILL_FIT_STEPS - len(steps))]
+    measured = [(n, cost(n, c) * rng.uniform(0.95, 1.05), prefill_attention(c, n)) for n, c in steps]
+    true_s = sum(cost(n, c) for n, c in [(512, 256), (512, 768), (512, 1280), (204, 1792)])
+    tokens_only = fit_prefill_cost([(n, w) for n, w, _ in measured[-16:]])
+    with_attn = fit_prefill_cost(measured)
+    assert with_attn[2] > 0 and all(x >= 0 for x in with_attn)
+    p = replace(inst("p0", Role.PREFILL), chunk_tokens=512, kv_layer_slices=30, prefill_largest_step=512)
+    old = replace(p, prefill_step_s=tokens_only[0], prefill_token_s=tokens_only[1])
+    new = replace(p, prefill_step_s=with_attn[0], prefill_token_s=with_attn[1], prefill_attn_s=with_attn[2])
+    assert old.prefill_compute_s(1740, 256) > 1.7 * true_s
+    assert new.prefill_compute_s(1740, 256) == pytest.approx(true_s, rel=0.1)
+    # the same tokens at the end of a long context cost more
+    assert new.prefill_compute_s(1740, 4000) > 1.5 * new.prefill_compute_s(1740, 256)
+    # a 6.3 s copy is no longer judged hidden behind the prefill
+    assert wait_after_prefill(6.28, 1740, old, 256) < 2.0 < 3.0 < wait_after_prefill(6.28, 1740, new, 256)
+
+
+def test_the_prefill_fit_keeps_every_cost_non_negative():
+    """Noise must not fit a negative term (a longer prompt priced cheaper);
+    steps of one size fit nothing; bigger steps that were not slower neither."""
+    from pdd.policy.views import fit_prefill_cost, prefill_attention
+    pts = [(50, 0.20, prefill_attention(2000, 50)), (60, 0.19, prefill_attention(2100, 60)),
+           (512, 0.60, prefill_attention(0, 512)), (512, 0.95, prefill_attention(1024, 512))]
+    fit = fit_prefill_cost(pts)
+    assert fit is not None and all(x >= 0 for x in fit)
+    assert fit_prefill_cost([(50, 0.2, 1.0), (50, 0.3, 2.0)]) is None
+    assert fit_prefill_cost([(50, 0.3), (500, 0.2)]) is None
+    assert fit_prefill_cost([(100, 0.1), (200, 0.2)]) == pytest.approx((0.0, 1e-3, 0.0))
 
 
 def test_a_fit_on_a_warm_ups_few_tokens_is_not_stretched_to_a_cold_prompt():
@@ -308,7 +381,7 @@ def test_a_fit_on_a_warm_ups_few_tokens_is_not_stretched_to_a_cold_prompt():
     from pdd.policy.pipeline import wait_after_prefill
     from pdd.policy.views import PREFILL_FIT_REACH, fit_prefill_cost
     steps = [(32, 0.117), (59, 0.190)]
-    a, b = fit_prefill_cost(steps)
+    a, b, _ = fit_prefill_cost(steps)
     p = replace(inst("p0", Role.PREFILL), chunk_tokens=512, kv_layer_slices=6, prefill_step_s=a,
                 prefill_token_s=b, prefill_tokens_s=91 / 0.307)
     assert p.prefill_compute_s(1179) > 3.0                      # the stretched fit (not known how far)
@@ -327,8 +400,8 @@ def test_the_prefill_cost_fit_needs_two_step_sizes_and_a_positive_slope():
     assert fit_prefill_cost([]) is None
     assert fit_prefill_cost([(512, 0.4)] * 5) is None                  # one size: the mean rate decides
     assert fit_prefill_cost([(100, 0.5), (500, 0.2)]) is None          # bigger steps faster: noise
-    # a negative intercept is refitted through the origin
-    assert fit_prefill_cost([(100, 0.05), (200, 0.2)]) == pytest.approx((0.0, 0.25 / 300))
+    # a negative intercept is refitted through the origin (least squares)
+    assert fit_prefill_cost([(100, 0.05), (200, 0.2)]) == pytest.approx((0.0, 45 / 50_000, 0.0))
 
 
 def test_a_queued_line_delays_a_background_copy_behind_every_byte_ahead():

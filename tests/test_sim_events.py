@@ -230,8 +230,11 @@ def test_an_overlap_handoff_in_the_simulator_keeps_rld_decoding_past_the_final_b
     final = [i for i, e in enumerate(log) if e["type"] == "ExtendReachesMd" and e["final"]]
     assert len(final) == 1
     assert any(e["type"] == "StepEnd" and e["instance_id"] == "rld0" for e in log[final[0]:])
-    # RLD's tokens: those the final batch carried, then overlap_max_lag (8) more.
-    assert rec.rld_tokens == log[final[0]]["end"] + 8 and rec.handoff_gap_s is not None
+    # RLD's tokens: those the final batch carried, then overlap_max_lag (8)
+    # more; the first of them P's when it went out from P (RLD's copy due
+    # within `first_token_max_stall_s`).
+    assert rec.first_token_from_p
+    assert rec.rld_tokens + rec.first_token_from_p == log[final[0]]["end"] + 8 and rec.handoff_gap_s is not None
 
 
 def test_a_paced_handoff_in_the_simulator_lets_mds_tokens_catch_up_without_a_stall(tmp_path):

@@ -96,13 +96,16 @@ def test_sim_and_servers_decide_alike(tmp_path, tiny_model_dir):
     assert {k: v[:2] for k, v in sim.items()} == {
         "r1": ("relay", "catch_up"), "r2": ("direct", None), "r3": ("relay_filtered", None),
         "r4": ("relay", "catch_up")}
+    # P's first token goes out from P for the relays too (RLD's local copy
+    # is due within first_token_max_stall_s), then RLD's, then MD's
     assert sim["r1"][2] == sim["r4"][2] == (
-        "opendecode:rld", "opendecode:md", "start_prefill:kv+kv", "emit:rld", "note:kv_ready",
+        "opendecode:rld", "opendecode:md", "start_prefill:kv+kv", "emit:p", "emit:rld", "note:kv_ready",
         "note:md_ready:catch_up", "extend", "pause_at:rld", "extend_final", "note:handoff_complete",
         "closestream:rld", "abort:rld", "emit:md", "finish:relay:length")
     assert sim["r2"][2] == ("opendecode:md", "start_prefill:kv", "emit:p", "note:kv_ready", "emit:md",
                             "finish:direct:length")
-    assert sim["r3"][2] == ("opendecode:rld", "start_prefill:kv", "emit:rld", "finish:relay_filtered:length")
+    assert sim["r3"][2] == ("opendecode:rld", "start_prefill:kv", "emit:p", "emit:rld",
+                            "finish:relay_filtered:length")
 
     dep = Deployment.start(path, run_dir=tmp_path / "run", timeout_s=120)
     try:

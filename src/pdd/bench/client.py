@@ -199,14 +199,16 @@ def build_record(req: WorkloadRequest, arrival_s: float, end_s: float, st: _Stre
         cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
     failed = st.error is not None
     gap, k = facts["handoff_gap_s"], int(facts["rld_tokens"] or 0)
+    k += bool(k and facts.get("first_token_from_p"))    # P's first went out ahead of RLD's
     if gap is not None and 0 < k < len(times):
         # RLD's tokens come first, then MD's: the switch's gap as the client
         # saw it, from RLD's last token to MD's first, as the simulator counts
         # it. (Until session 30 the gap before RLD's last token counted too,
         # for a router that delayed it; the router now sends a token before
         # the calls it triggers, and that gap was RLD's own pace: ~4x the
-        # median where RLD shares P's core.)
-        gap = times[k] - times[k - 1]
+        # median where RLD shares P's core.) The router's own figure stays
+        # when larger: a paced handoff's stretched gaps before the switch.
+        gap = max(gap, times[k] - times[k - 1])
     return RequestRecord(
         request_id=req.request_id,
         arrival_s=arrival_s,

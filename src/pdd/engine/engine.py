@@ -27,6 +27,7 @@ from pdd.engine.kv_events import KvEventLog
 from pdd.engine.request import EngineRequest, RequestStatus
 from pdd.engine.runner import ModelRunner
 from pdd.engine.scheduler import Scheduler, StepPlan
+from pdd.policy.views import PREFILL_FIT_STEPS, prefill_attention
 
 
 class InvalidRequestError(ValueError):
@@ -61,6 +62,9 @@ class StepRecord:
     # above a quiet run's when the step itself ran slower (shared caches and
     # memory). Not part of the simulator's fit; for finding where time goes.
     cpu_s: float = 0.0
+    # The attention work of its prompt chunks (`prefill_attention` summed):
+    # with the prompt tokens, what a prefill step's cost is fitted on.
+    prefill_attn: float = 0.0
 
 
 class Engine:
@@ -238,6 +242,7 @@ class Engine:
             wall_s=wall,
             start_s=start,
             cpu_s=cpu,
+            prefill_attn=sum(prefill_attention(s.start, s.num_tokens) for s in plan.seqs if s.num_tokens > 1),
         ))
         for s, tok in zip(plan.seqs, sampled):
             req = s.request
@@ -375,8 +380,9 @@ class Engine:
             "num_steps": self.num_steps,
             "decode_step_s": self.recent_decode_step_s(),
             "prefill_tokens_s": _tokens_per_s(prefill),
-            # those steps as [prompt tokens, wall s]: the router fits their step and token costs
-            "prefill_steps": [[n, round(w, 6)] for n, w in prefill],
+            # those steps as [prompt tokens, wall s, attention]: the router fits
+            # their step, token and attention costs (`fit_prefill_cost`)
+            "prefill_steps": [[n, round(w, 6), a] for n, w, a in prefill],
             # P streams a prompt's KV a few layers at a time as its steps compute it
             "kv_stream_slices": self.layout.stream_slices,
         }
@@ -395,21 +401,21 @@ class Engine:
                     break
         return sum(xs) / len(xs) if xs else None
 
-    def _recent_prefill_steps(self, window: int = 16) -> list[tuple[int, float]]:
-        """(prompt tokens, wall s) of the last `window` steps that computed prompts."""
+    def _recent_prefill_steps(self, window: int = PREFILL_FIT_STEPS) -> list[tuple[int, float, float]]:
+        """(prompt tokens, wall s, attention) of the last `window` steps that computed prompts."""
         try:
             recent = [self.step_log[-k] for k in range(1, min(len(self.step_log), 4 * window) + 1)]
         except IndexError:
             return []
-        return [(r.num_prefill_tokens, r.wall_s) for r in recent if r.num_prefill_tokens > 0][:window]
+        return [(r.num_prefill_tokens, r.wall_s, r.prefill_attn) for r in recent if r.num_prefill_tokens > 0][:window]
 
 
-def _tokens_per_s(steps: list[tuple[int, float]]) -> float | None:
-    """(prompt tokens, wall s) per step -> their tokens over their time: the
-    prefill rate the stats report (the policy's estimate of how long a
-    prefill streams its KV where P's step costs cannot be fitted)."""
-    wall = sum(w for _, w in steps)
-    return sum(n for n, _ in steps) / wall if wall > 0 else None
+def _tokens_per_s(steps: list[tuple[int, float, float]]) -> float | None:
+    """(prompt tokens, wall s, attention) per step -> their tokens over their
+    time: the prefill rate the stats report (the policy's estimate of how
+    long a prefill streams its KV where P's step costs cannot be fitted)."""
+    wall = sum(s[1] for s in steps)
+    return sum(s[0] for s in steps) / wall if wall > 0 else None
 
 
 def status_reason(status: RequestStatus) -> str:

@@ -86,18 +86,27 @@ def _over_median_itl(gaps: list[float], records: list[RequestRecord], q: float |
     return gap / med if med > 0 else None
 
 
+def rld_decoded(r: RequestRecord) -> int:
+    """Tokens RLD decoded itself: its tokens less P's first when RLD passed
+    that one on (a relay whose first token went out from P counts none of
+    P's)."""
+    return r.rld_tokens - (r.rld_tokens > 0 and not r.first_token_from_p)
+
+
 def is_handoff(r: RequestRecord) -> bool:
     """MD took the stream over from RLD's own decoding: RLD made at least one
-    token after P's first (`r`: a record, or the router's trace). A relayed request whose KV reached MD before RLD's
-    first decode step hands over nothing (the user has P's token only, as RLD
-    passed it on), and its wait for MD's first token is the early first
-    token's (`first_token_early`), as with a direct request's token from P."""
-    return r.handoff_gap_s is not None and r.rld_tokens >= 2
+    token after P's first (`r`: a record, or the router's trace). A relayed
+    request whose KV reached MD before RLD's first decode step hands over
+    nothing (the user has P's token only, from P or as RLD passed it on),
+    and its wait for MD's first token is the early first token's
+    (`first_token_early`), as with a direct request's token from P."""
+    return r.handoff_gap_s is not None and rld_decoded(r) >= 1
 
 
 def first_token_early(r: RequestRecord) -> bool:
     """The user had P's first token before a decoder's: sent by P itself
-    (direct) or by RLD, which MD then relieved before RLD decoded any."""
+    (direct, or a relay whose RLD was due within the stall bound) or by RLD,
+    which MD then relieved before RLD decoded any."""
     return r.first_token_from_p or (r.handoff_gap_s is not None and r.rld_tokens == 1)
 
 

@@ -7,8 +7,9 @@ RLD, release P, emit a token, finish). No clock, no I/O: the router's
 `PddRun` and the simulator drive the same object. It owns, for one request:
 
     start -> StartPrefill (+ OpenDecode for RLD and/or MD)
-    DIRECT with MD's KV due within first_token_max_stall_s: P's first token
-      goes out at `Prefilled`; MD's copy of it (index 0) is skipped
+    DIRECT with MD's KV due within first_token_max_stall_s (a relay: RLD's,
+      over the local link): P's first token goes out at `Prefilled`; the
+      decoder's copy of it (index 0) is skipped
     RLD streams eager tokens 0..k while MD's KV crosses the WAN
       every RLD token: the live filter (`cancel_wan`) may drop MD
     MD KvReady -> HandoffSession (`new_session`): ExtendMd* (token ids only)
@@ -259,11 +260,24 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
                 self._maybe_release_p()
         elif rld is not None:
             self._out.append(StartTransfer(rld))
-        if (self.done is None and not self.tokens and self.owner is Leg.MD and self.md_live
-                and not self.takeover_pending and self.d.pipeline is Pipeline.DIRECT
-                and self.d.wait_s <= self.cfg.first_token_max_stall_s):
+        if self.done is None and not self.tokens and self._p_first_due():
             self.p_first_out = True
             self._emit(f.token, Leg.P)
+            self.out_s = f.now
+
+    def _p_first_due(self) -> bool:
+        """P's first token goes to the user at once: the decoder that goes on
+        (MD for DIRECT, the routed RLD for a relay) is expected to hold the KV
+        within `first_token_max_stall_s` of it, so the user waits that long
+        for the second token instead of for the first. For a relay this is
+        the local copy's time; RLD's own copy of the token is then skipped
+        (`_already_out`) and every later token comes when it would have."""
+        limit = self.cfg.first_token_max_stall_s
+        if self.owner is Leg.MD:
+            return (self.md_live and not self.takeover_pending and self.d.pipeline is Pipeline.DIRECT
+                    and self.d.wait_s <= limit)
+        return (self.rld_id is not None and self.rld_id == self.d.rld_id and self.rld_lost is None
+                and self.d.rld_wait_s <= limit)
 
     def _decoder_tokens(self) -> int:
         """The user's tokens that came from a decoder (RLD or MD), not P."""

@@ -86,6 +86,12 @@ class PipelineDecision:
     # longer than direct_max_wan_s at the line's rate): it yields the line
     # (`copy_yields_line`).
     big_copy: bool = False
+    # How long after P's first token RLD is expected to hold the prompt KV
+    # (the local copy, `LinkEstimate.transfer_s` of what RLD lacks; inf when
+    # the local link is not measured or no RLD takes the request). The
+    # lifecycle lets P's first token out at once when this is within
+    # `first_token_max_stall_s`, as it does for a direct request's MD.
+    rld_wait_s: float = math.inf
 
     def __post_init__(self) -> None:
         if self.wait_s == math.inf and math.isfinite(self.est_wan_s):
@@ -97,7 +103,7 @@ class PipelineDecision:
         return self.pipeline is Pipeline.RELAY_ONLY and self.md_id is not None
 
 
-def wait_after_prefill(est_wan_s: float, new_tokens: int, p: InstanceView) -> float:
+def wait_after_prefill(est_wan_s: float, new_tokens: int, p: InstanceView, start_tokens: int = 0) -> float:
     """How long after P's first token the receiver still waits for the KV.
 
     P streams KV while it computes, so a transfer hides behind the prefill:
@@ -105,13 +111,14 @@ def wait_after_prefill(est_wan_s: float, new_tokens: int, p: InstanceView) -> fl
     at the end is the last slice of the last chunk: a chunk's blocks whole
     (kv_layer_slices 1: a one-chunk prompt hides nothing), or its last layer
     (P sends layer by layer: even a warm turn's few new tokens hide all but
-    1/layers of their bytes). How long P computes: its fitted step and token
-    costs (`InstanceView.prefill_compute_s`). Without P's measured prefill
-    speed or chunk size: the whole estimate."""
+    1/layers of their bytes). How long P computes: its fitted step, token and
+    attention costs for the new tokens past the `start_tokens` it has cached
+    (`InstanceView.prefill_compute_s`). Without P's measured prefill speed
+    or chunk size: the whole estimate."""
     chunk = p.chunk_tokens
     if chunk <= 0 or new_tokens <= 0 or not math.isfinite(est_wan_s):
         return est_wan_s
-    compute_s = p.prefill_compute_s(new_tokens)
+    compute_s = p.prefill_compute_s(new_tokens, start_tokens)
     if compute_s is None:
         return est_wan_s
     tail_s = est_wan_s * min(chunk, new_tokens) / new_tokens / max(1, p.kv_layer_slices)
@@ -141,6 +148,20 @@ def _least_loaded_rld(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig
     if not rlds:
         return None
     return cluster.instance(pick_instance(rlds, {}, req.num_prompt_tokens, cluster.now, cfg))
+
+
+def _rld_wait(req: RequestFacts, rld: InstanceView | None, cluster: ClusterView, new_tokens: int,
+              p_has: int, p_view: InstanceView, cfg: PolicyConfig) -> float | None:
+    """How long after P's first token `rld` would hold the prompt KV: what
+    its prefix cache lacks over the local link, less what streams behind the
+    prefill when the copy streams with it; None when the local link is not
+    measured (or there is no RLD)."""
+    if cluster.local is None or not cluster.local.usable or rld is None:
+        return None
+    local = cluster.local.transfer_s(req.missing_kv_bytes(cluster.matched(rld.instance_id)))
+    if cfg.stream_relay_copy:       # else it leaves once the prefill has ended: nothing hides
+        local = wait_after_prefill(local, new_tokens, p_view, p_has)
+    return local
 
 
 def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
@@ -176,16 +197,19 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
     # What the user would wait for after P's first token: the transfer less
     # the part that streams while P computes. A relayed request's copy goes
     # as background, behind the other copies too: when MD could take over.
-    p_view, new_tokens = cluster.instance(p_id), max(n - cluster.matched(p_id), 0)
-    copy_wait = wait_after_prefill(cluster.wan.transfer_s(missing, background=True), new_tokens, p_view)
+    p_view, p_has = cluster.instance(p_id), min(cluster.matched(p_id), n)
+    new_tokens = n - p_has
+    copy_wait = wait_after_prefill(cluster.wan.transfer_s(missing, background=True), new_tokens, p_view, p_has)
     # A copy whose own bytes outlast a short wait yields the line to those
     # that do not (shortest first), so a direct user waits for it as for a
     # copy. Only where PDD's senders order the line (`gated`: a MainDecode);
     # a PD baseline's copy is a plain flow, its user's wait a flow's.
     gated = bool(cluster.with_role(Role.MAIN))
     big = gated and cluster.wan.bytes_s(missing) > cfg.direct_max_wan_s
-    wait = copy_wait if big else wait_after_prefill(est, new_tokens, p_view)
+    wait = copy_wait if big else wait_after_prefill(est, new_tokens, p_view, p_has)
     filterable = bool(cluster.with_role(Role.RELAY)) and in_filter_class(req, cluster.matched(p_id), cfg)
+    local = _rld_wait(req, rld, cluster, new_tokens, p_has, p_view, cfg)
+    rld_wait = math.inf if local is None else local
 
     def direct(why: str) -> PipelineDecision:
         return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why, filterable,
@@ -199,14 +223,10 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
             and (budgets is None or budgets.requests.allows(1, 1))):
         return PipelineDecision(Pipeline.RELAY_ONLY, p_id, rld_id, md_id, False, missing, est,
                                 f"abnormal: {m} tokens end on RLD before the KV lands ({copy_wait:.3f}s)",
-                                filterable, m, wait_s=copy_wait)
+                                filterable, m, wait_s=copy_wait, rld_wait_s=rld_wait)
     if wait <= cfg.direct_max_wan_s:
         return direct(f"wan {wait:.3f}s <= {cfg.direct_max_wan_s}s")
-    if cluster.local is not None and cluster.local.usable and rld is not None:
-        # What RLD lacks crosses the local link (its prefix cache skips the rest).
-        local = cluster.local.transfer_s(req.missing_kv_bytes(cluster.matched(rld.instance_id)))
-        if cfg.stream_relay_copy:       # else it leaves once the prefill has ended: nothing hides
-            local = wait_after_prefill(local, new_tokens, p_view)
+    if local is not None:
         if wait - local < cfg.relay_min_gain_s:
             return direct(f"relay gains {wait - local:.3f}s < {cfg.relay_min_gain_s}s "
                           f"(wan {wait:.3f}s, local {local:.3f}s)")
@@ -217,7 +237,8 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
         return direct(f"relay budget: RLD would emit ~{eager} of {m} tokens past its "
                       f"{cfg.relay_max_token_share:.0%} share")
     return PipelineDecision(Pipeline.RELAY, p_id, rld_id, md_id, True, missing, est,
-                            f"wan {wait:.3f}s > {cfg.direct_max_wan_s}s", filterable, eager, wait_s=copy_wait)
+                            f"wan {wait:.3f}s > {cfg.direct_max_wan_s}s", filterable, eager, wait_s=copy_wait,
+                            rld_wait_s=rld_wait)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,10 @@ class InstanceView:
     # 512-token chunks, so the mean rate alone mispredicts a cold prompt.
     prefill_step_s: float | None = None
     prefill_token_s: float | None = None
+    # ... and a cost per token per token of context it attends to (seconds;
+    # 0: not fitted): a chunk at the end of a long prompt costs more than the
+    # same chunk at its start (`prefill_attention`).
+    prefill_attn_s: float = 0.0
     # The largest of those steps, in prompt tokens (0: none or not known): how
     # far the fit may be stretched (`prefill_compute_s`).
     prefill_largest_step: int = 0
@@ -67,10 +71,12 @@ class InstanceView:
     def num_requests(self) -> int:
         return self.num_running + self.num_waiting
 
-    def prefill_compute_s(self, new_tokens: int) -> float | None:
-        """How long this P computes a prompt's `new_tokens` (`prefill_compute_s`)."""
+    def prefill_compute_s(self, new_tokens: int, start_tokens: int = 0) -> float | None:
+        """How long this P computes a prompt's `new_tokens` past the
+        `start_tokens` it has cached (`prefill_compute_s`)."""
         return prefill_compute_s(new_tokens, self.chunk_tokens, self.prefill_step_s, self.prefill_token_s,
-                                 self.prefill_tokens_s, self.prefill_largest_step)
+                                 self.prefill_tokens_s, self.prefill_largest_step, self.prefill_attn_s,
+                                 start_tokens)
 
     @property
     def load_fraction(self) -> float:
@@ -92,44 +98,115 @@ class InstanceView:
 # prefill, sent direct, and its user waited 4.0 s for the line.
 PREFILL_FIT_REACH = 4
 
+# A P's step costs are fitted on its last this many prefill steps (engine and
+# simulator alike). Sixteen were too few to tell the attention term from the
+# per-token one: a run of warm turns over similar long contexts makes the two
+# collinear (`results/wan-bound-62x`, a0003: 5.0 s predicted over 16 steps,
+# 2.7 over 64, 2.6 measured).
+PREFILL_FIT_STEPS = 64
+
+
+def prefill_attention(start_tokens: int, new_tokens: int) -> float:
+    """The attention work of computing prompt tokens start..start+new: each
+    token attends to the context before it and itself, so the sum over those
+    tokens of their positions, (end^2 - start^2) / 2 (in token x context
+    units). A step's is the sum over its chunks; a prompt's whole is its
+    chunks' sum, whatever the chunking."""
+    end = start_tokens + max(new_tokens, 0)
+    return (end * end - start_tokens * start_tokens) / 2.0
+
 
 def prefill_compute_s(new_tokens: int, chunk_tokens: int, step_s: float | None, token_s: float | None,
-                      tokens_s: float | None, largest_step: int = 0) -> float | None:
-    """How long a P computes `new_tokens` prompt tokens in chunks of
-    `chunk_tokens`: from its fitted step and token costs (`fit_prefill_cost`)
-    where it has some, else its mean rate `tokens_s`; None when it has
-    measured neither, or when its steps (the largest: `largest_step` prompt
-    tokens, 0 where not known) were all far smaller than this prompt's
-    steps will be (`PREFILL_FIT_REACH`): then nothing is assumed hidden."""
+                      tokens_s: float | None, largest_step: int = 0, attn_s: float = 0.0,
+                      start_tokens: int = 0) -> float | None:
+    """How long a P computes `new_tokens` prompt tokens past `start_tokens`
+    it has cached, in chunks of `chunk_tokens`: from its fitted step, token
+    and attention costs (`fit_prefill_cost`) where it has some, else its
+    mean rate `tokens_s`; None when it has measured neither, or when its
+    steps (the largest: `largest_step` prompt tokens, 0 where not known)
+    were all far smaller than this prompt's steps will be
+    (`PREFILL_FIT_REACH`): then nothing is assumed hidden."""
     if new_tokens <= 0:
         return 0.0
     if largest_step > 0 and chunk_tokens > 0 and PREFILL_FIT_REACH * largest_step < min(chunk_tokens, new_tokens):
         return None
-    if token_s is not None and token_s > 0 and chunk_tokens > 0:
-        return -(-new_tokens // chunk_tokens) * max(step_s or 0.0, 0.0) + new_tokens * token_s
+    if token_s is not None and (token_s > 0 or attn_s > 0) and chunk_tokens > 0:
+        return (-(-new_tokens // chunk_tokens) * max(step_s or 0.0, 0.0) + new_tokens * token_s
+                + max(attn_s, 0.0) * prefill_attention(start_tokens, new_tokens))
     if tokens_s and tokens_s > 0:
         return new_tokens / tokens_s
     return None
 
 
-def fit_prefill_cost(steps: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """(seconds per step, seconds per prompt token) fitted by least squares to
-    (prompt tokens, seconds) of recent prefill steps, the engine's and the
-    simulator's alike; None without two step sizes or with a slope <= 0. A
-    negative intercept (noise) is refitted through the origin."""
-    pts = [(float(n), float(w)) for n, w in steps if n > 0 and w > 0]
-    if len({n for n, _ in pts}) < 2:
+def fit_prefill_cost(steps: list[tuple]) -> tuple[float, float, float] | None:
+    """(seconds per step, per prompt token, per unit of attention) fitted to
+    recent prefill steps, the engine's and the simulator's alike: (prompt
+    tokens, seconds) or (prompt tokens, seconds, attention), the attention
+    being `prefill_attention` summed over the step's chunks. Least squares
+    with every cost >= 0 (the best fit over the subsets of the three terms
+    whose unconstrained solution is non-negative), so noise cannot make a
+    term negative and a longer prompt cheaper. None without two step sizes
+    or when bigger steps were not slower (no positive per-token or attention
+    cost in the unconstrained fit).
+
+    The attention term is what a fit over tokens alone misses: where recent
+    steps were warm turns' few tokens over long contexts (~3 ms a token
+    here, most of it attention), such a fit priced a cold prompt's chunks
+    at the start of its context at 2.3x what they took (results/wan-bound-62x,
+    a0003: 5.3 s predicted for 1,740 tokens that took ~2.3), judged its WAN
+    copy hidden behind the prefill and sent it direct; its user waited
+    6.6 s for the line."""
+    pts = [(float(t[0]), float(t[1]), float(t[2]) if len(t) > 2 and t[2] is not None else None)
+           for t in steps if t[0] > 0 and t[1] > 0]
+    if len({n for n, _, _ in pts}) < 2:
         return None
-    mn = sum(n for n, _ in pts) / len(pts)
-    mw = sum(w for _, w in pts) / len(pts)
-    var = sum((n - mn) ** 2 for n, _ in pts)
-    slope = sum((n - mn) * (w - mw) for n, w in pts) / var
-    fixed = mw - slope * mn
-    if fixed < 0:
-        fixed, slope = 0.0, sum(w for _, w in pts) / sum(n for n, _ in pts)
-    if slope <= 0 or not math.isfinite(slope):
+    with_attn = all(a is not None for _, _, a in pts)
+    rows = [((1.0, n, a if with_attn else 0.0), w) for n, w, a in pts]
+    best: tuple[float, tuple[float, float, float]] | None = None
+    terms = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (1,), (2,)) if with_attn else ((0, 1), (1,))
+    whole = _least_squares([[x[c] for c in terms[0]] for x, _ in rows], [w for _, w in rows])
+    if whole is not None and all(c <= 0 for c in whole[1:]):
+        return None                       # bigger steps were not slower: nothing to fit
+    for cols in terms:
+        coef = _least_squares([[x[c] for c in cols] for x, _ in rows], [w for _, w in rows])
+        if coef is None or any(c < 0 or not math.isfinite(c) for c in coef):
+            continue
+        full = [0.0, 0.0, 0.0]
+        for c, v in zip(cols, coef):
+            full[c] = v
+        if full[1] <= 0 and full[2] <= 0:
+            continue
+        sse = sum((w - sum(f * xi for f, xi in zip(full, x))) ** 2 for x, w in rows)
+        if best is None or sse < best[0] - 1e-15:
+            best = (sse, (full[0], full[1], full[2]))
+    if best is None:
         return None
-    return fixed, slope
+    return best[1]
+
+
+def _least_squares(x: list[list[float]], y: list[float]) -> list[float] | None:
+    """Ordinary least squares by the normal equations (at most 3 columns),
+    the columns scaled to unit size first; None when singular."""
+    k = len(x[0])
+    scale = [max(abs(r[j]) for r in x) or 1.0 for j in range(k)]
+    xs = [[r[j] / scale[j] for j in range(k)] for r in x]
+    a = [[sum(r[i] * r[j] for r in xs) for j in range(k)] for i in range(k)]
+    b = [sum(r[i] * yi for r, yi in zip(xs, y)) for i in range(k)]
+    # Gaussian elimination with partial pivoting
+    for i in range(k):
+        piv = max(range(i, k), key=lambda r: abs(a[r][i]))
+        if abs(a[piv][i]) < 1e-12:
+            return None
+        a[i], a[piv], b[i], b[piv] = a[piv], a[i], b[piv], b[i]
+        for r in range(i + 1, k):
+            f = a[r][i] / a[i][i]
+            for c in range(i, k):
+                a[r][c] -= f * a[i][c]
+            b[r] -= f * b[i]
+    sol = [0.0] * k
+    for i in reversed(range(k)):
+        sol[i] = (b[i] - sum(a[i][c] * sol[c] for c in range(i + 1, k))) / a[i][i]
+    return [v / s for v, s in zip(sol, scale)]
 
 
 @dataclass(frozen=True)

@@ -104,13 +104,17 @@ class Cluster:
                 m.index.apply(s["kv"], now)
             m.send_backlog = (s.get("kv_send_backlog") or {}).get("wan", {})
             self.copies.reported(m.send_backlog.get("requests") or ())
-            steps = [(int(n), float(w)) for n, w in s.get("prefill_steps") or ()]
+            # [prompt tokens, wall s(, attention)]: an instance of before
+            # session 33 reports no attention, and its fit has none
+            steps = [(int(x[0]), float(x[1]), float(x[2]) if len(x) > 2 else None)
+                     for x in s.get("prefill_steps") or ()]
             cost = fit_prefill_cost(steps)
             m.view = replace(m.view, num_running=int(s["num_running"]), num_waiting=int(s["num_waiting"]),
                              kv_free_blocks=int(s["kv_free_blocks"]), kv_total_blocks=int(s["kv_total_blocks"]),
                              step_time_s=s.get("decode_step_s"), prefill_tokens_s=s.get("prefill_tokens_s"),
                              prefill_step_s=cost[0] if cost else None, prefill_token_s=cost[1] if cost else None,
-                             prefill_largest_step=max((n for n, _ in steps), default=0),
+                             prefill_attn_s=cost[2] if cost else 0.0,
+                             prefill_largest_step=max((x[0] for x in steps), default=0),
                              kv_layer_slices=int(s.get("kv_stream_slices") or 1))
 
         await asyncio.gather(*(one(m) for m in self.members.values()))

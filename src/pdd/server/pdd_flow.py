@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import math
 import secrets
 import time
 from typing import AsyncIterator
@@ -79,6 +80,7 @@ class PddRun:
         w = view.wan
         ctx.trace.event("pipeline", pipeline=d.pipeline.value, reason=d.reason,
                         missing_bytes=d.missing_bytes, est_wan_s=d.est_wan_s, wait_s=d.wait_s,
+                        rld_wait_s=d.rld_wait_s if math.isfinite(d.rld_wait_s) else None,
                         # the line as the decision saw it
                         wan=None if w is None else {"rtt_s": w.rtt_s, "bytes_s": w.throughput_bytes_s,
                                                     "overhead_s": w.overhead_s, "queued_bytes": w.queued_bytes,

@@ -49,6 +49,10 @@ class RequestTrace:
             self.rld_tokens += 1
 
     @property
+    def first_token_from_p(self) -> bool:
+        return self.token_sources[:1] == ["p"]
+
+    @property
     def ttft_s(self) -> float | None:
         return self.token_times_s[0] - self.arrival_s if self.token_times_s else None
 

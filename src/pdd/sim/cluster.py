@@ -363,7 +363,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         if chunks:
             for job, _ in chunks:
                 if job.kind is JobKind.PREFILL and job.req.streamed and job.done < job.num_tokens:
-                    evs += self._prefill_progress(job.req, job, inst.prefill_time_s(job.num_tokens - job.done), now)
+                    evs += self._prefill_progress(job.req, job, inst.prefill_time_s(job.num_tokens - job.done, job.ctx_start + job.done), now)
         inst.at_boundary = True
         try:
             for fn in due:
@@ -423,7 +423,7 @@ class Cluster(TransfersMixin, LifecycleDriverMixin):
         if p.role is not Role.PREFILL or req.lc is None or req.streamed:
             return []
         req.streamed = True
-        made_s = p.prefill_time_s(job.num_tokens) if self.kv_layer_slices > 1 else None
+        made_s = p.prefill_time_s(job.num_tokens, job.ctx_start) if self.kv_layer_slices > 1 else None
         if made_s:
             # Layer by layer, its KV crosses no faster than P makes it.
             req.kv_made_by_s = now + made_s

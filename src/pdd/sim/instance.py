@@ -28,7 +28,7 @@ from enum import Enum
 
 from pdd.policy import InstanceView, Role
 from pdd.policy.step_packing import STEP_OVERHEAD_TOKENS, joins_step
-from pdd.policy.views import fit_prefill_cost, prefill_compute_s
+from pdd.policy.views import PREFILL_FIT_STEPS, fit_prefill_cost, prefill_attention, prefill_compute_s
 from pdd.sim.calibration_steps import role_group
 from pdd.sim.cost_model import CostModel, chunk_pairs, row_bucket
 from pdd.sim.prefix_cache import PrefixCache
@@ -136,10 +136,11 @@ class SimInstance:
         self.at_boundary = False             # between two steps, running what waited for it
         self.step_time_s: float | None = None
         self.prefill_tokens_s: float | None = None   # measured as the engine does (stats)
-        self.prefill_cost: tuple[float, float] | None = None   # ... and fitted as the router does
-        # (prompt tokens, seconds) of the last steps that computed prompts: the
-        # engine's stats (`prefill_tokens_s`) are their tokens over their time
-        self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=16)
+        self.prefill_cost: tuple[float, float, float] | None = None   # ... and fitted as the router does
+        # (prompt tokens, seconds, attention) of the last steps that computed
+        # prompts: the engine's stats (`prefill_tokens_s`) are their tokens
+        # over their time
+        self._prefill_steps: deque[tuple[int, float, float]] = deque(maxlen=PREFILL_FIT_STEPS)
         self.streams_kv = False      # P sends blocks while it computes (set by the cluster)
         self.kv_layer_slices = 1     # ... and a chunk's KV layer by layer (the model's layers; set by the cluster)
         self.busy_s = 0.0
@@ -213,12 +214,13 @@ class SimInstance:
     def add_seq(self, seq: Seq) -> None:
         self.waiting.append(seq)
 
-    def prefill_time_s(self, num_tokens: int) -> float | None:
-        """How long this P takes for `num_tokens` more prompt tokens, by what it
-        has measured (as the router judges it from the view, `prefill_compute_s`)."""
-        step_s, token_s = self.prefill_cost or (None, None)
+    def prefill_time_s(self, num_tokens: int, start_tokens: int = 0) -> float | None:
+        """How long this P takes for `num_tokens` more prompt tokens past
+        `start_tokens`, by what it has measured (as the router judges it from
+        the view, `prefill_compute_s`)."""
+        step_s, token_s, attn_s = self.prefill_cost or (None, None, 0.0)
         return prefill_compute_s(num_tokens, self.token_budget if self.streams_kv else 0, step_s, token_s,
-                                 self.prefill_tokens_s)
+                                 self.prefill_tokens_s, attn_s=attn_s, start_tokens=start_tokens)
 
     def view(self) -> InstanceView:
         started = sum(1 for j in self.jobs if j.started)
@@ -231,7 +233,8 @@ class SimInstance:
             prefill_tokens_s=self.prefill_tokens_s, chunk_tokens=self.token_budget if self.streams_kv else 0,
             prefill_step_s=self.prefill_cost[0] if self.prefill_cost else None,
             prefill_token_s=self.prefill_cost[1] if self.prefill_cost else None,
-            prefill_largest_step=max((n for n, _ in self._prefill_steps), default=0),
+            prefill_attn_s=self.prefill_cost[2] if self.prefill_cost else 0.0,
+            prefill_largest_step=max((s[0] for s in self._prefill_steps), default=0),
             kv_layer_slices=self.kv_layer_slices)
 
     # --- stepping ---------------------------------------------------------
@@ -396,6 +399,7 @@ class SimInstance:
         self.busy = False
         self.num_steps += k
         self.busy_s += now - self._start
+        attn = sum(prefill_attention(job.ctx_start + job.done, c) for job, c in self._chunks)
         for job, c in self._chunks:
             before = (job.ctx_start + job.done) // self.block_size
             job.done += c
@@ -426,9 +430,9 @@ class SimInstance:
             # Token-weighted, as the engine: a mean of per-step rates would
             # weigh a prompt's short tail chunk (mostly fixed cost) as much as
             # a full one, and P would look ~15% slower than it reports.
-            self._prefill_steps.append((n_pre, now - self._start))
-            self.prefill_tokens_s = (sum(n for n, _ in self._prefill_steps)
-                                     / sum(w for _, w in self._prefill_steps))
+            self._prefill_steps.append((n_pre, now - self._start, attn))
+            self.prefill_tokens_s = (sum(s[0] for s in self._prefill_steps)
+                                     / sum(s[1] for s in self._prefill_steps))
             self.prefill_cost = fit_prefill_cost(list(self._prefill_steps))
         if self._batch:
             if not self._chunks:

@@ -300,7 +300,8 @@ class LifecycleDriverMixin:
         iid = (req.seqs.get(leg) or req.legs.get(leg) or (req.p_id,))[0] if leg is not io.Leg.P else req.p_id
         if leg is io.Leg.P and req.num_generated == 0:
             req.p_first = True
-        req.emit(times, relay=leg is io.Leg.RLD, delay_s=self.instances[iid].deliver_s, held=held)
+        req.emit(times, relay=leg is io.Leg.RLD, delay_s=self.instances[iid].deliver_s, held=held,
+                 from_p=leg is io.Leg.P)
 
     def _emit_ahead(self, req: SimRequest, indices: list[int], now: float) -> None:
         """MD's tokens that ran ahead of RLD's (an overlap handoff) go out when

@@ -106,10 +106,13 @@ class SimRequest:
     def finished(self) -> bool:
         return self.num_generated >= self.spec.output_tokens
 
-    def emit(self, times: list[float], relay: bool, delay_s: float = 0.0, held: bool = False) -> None:
+    def emit(self, times: list[float], relay: bool, delay_s: float = 0.0, held: bool = False,
+             from_p: bool = False) -> None:
         """The next len(times) output tokens were made at these times and
         reach the user `delay_s` later. `held`: a paced handoff held them
-        back (the gap before each is the handoff's)."""
+        back (the gap before each is the handoff's). `from_p`: P's first
+        token, sent by P itself (neither RLD's nor MD's: no handoff gap
+        starts or ends at it)."""
         k = len(times)
         if k == 0:
             return
@@ -138,7 +141,7 @@ class SimRequest:
         if relay:
             self.rld_tokens += k
             self.last_rld_token_s = times[-1]
-        elif self.first_md_token_s is None:
+        elif not from_p and self.first_md_token_s is None:
             self.first_md_token_s = times[0]
 
     def record(self) -> SimRequestRecord:
