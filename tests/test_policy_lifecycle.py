@@ -314,6 +314,27 @@ def test_overlap_switch_right_after_rlds_token_when_md_is_ahead():
     assert emitted(md_tokens(lc, 6, 9)) == [(i, ref(i), Leg.MD) for i in range(6, 9)]
 
 
+@pytest.mark.parametrize("p_first", [True, False])
+def test_md_does_not_wait_for_an_rld_that_has_not_decoded_yet(p_first):
+    """MD ready before RLD decoded anything (the user has P's first token
+    only, from P or passed on by RLD): RLD's first step may be far off (its
+    import, a core shared with P's prefill), so MD's first own token goes
+    out at once instead of waiting for RLD's of the same index."""
+    cfg = dataclasses.replace(CFG, handoff_pace_ratio=0)
+    lc, _ = started(NEAR_RLD if p_first else RELAY, cfg=cfg)
+    lc.handle(Prefilled(0.5, ref(0)))
+    lc.handle(TransferEnded(0.6, "r0", True))
+    if not p_first:
+        assert emitted(rld_tokens(lc, 0, 1)) == [(0, ref(0), Leg.RLD)]
+    lc.handle(TransferEnded(0.7, "m0", True))
+    out = lc.handle(KvReady(0.8, rld_view(), md=md_view(0.0125)))
+    assert lc.session.mode.value == "overlap" and lc.overlap_from == 1
+    assert of(out, ExtendMd) == [ExtendMd("m0", (), True)]
+    out = md_tokens(lc, 1, 2)
+    assert emitted(out) == [(1, ref(1), Leg.MD)] and lc.owner is Leg.MD
+    assert emitted(rld_tokens(lc, 1, 3)) == []                # RLD's late first tokens go nowhere
+
+
 def test_overlap_handoff_left_to_rld_when_md_disagrees():
     """MD's token differs from the user's at an index both made (a decode in
     another batch): MD's continuation is not the user's. MD's request goes

@@ -32,7 +32,8 @@ class PolicyConfig:
     relay_min_gain_s: float = 0.25
     # A DIRECT request's first token goes to the user as soon as P has it
     # (P sits beside the router) when MD is expected to hold the KV within
-    # this many seconds of it: the user then waits that long for the second
+    # this many seconds of it (a relay's, when RLD is: its local copy,
+    # `PipelineDecision.rld_wait_s`): the user then waits that long for the second
     # token instead of for the first, as after an RLD's eager token. Longer
     # expected waits keep the first token for MD, so that TTFT still shows
     # them. 0 (default): always MD's, as the PD baselines (SGLang's and

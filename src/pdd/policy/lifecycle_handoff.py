@@ -276,12 +276,16 @@ class HandoffRules:
         """MD has the user's next token: it owns the stream from here. MD's
         first token of its own waits for RLD's of the same index (RLD's token
         is due within its gap; MD's next one then follows within MD's), unless
-        MD is `overlap_max_ahead` tokens ahead, RLD is paused or gone, or MD
-        has ended."""
+        MD is `overlap_max_ahead` tokens ahead, RLD is paused or gone, MD has
+        ended, or RLD has not decoded a token yet: only P's first is out (from
+        P, or passed on by RLD), and RLD's first step, behind its import and
+        beside P's prefill on a shared core, has no gap to be due within
+        (`results/wan-bound-63x`, s0007-t01: MD's tokens 1-7 waited 1.2 s for
+        RLD's first, 16.5x the median gap)."""
         n = len(self.tokens)
         # (RLD's token n held back by pacing is here already: no reason to wait)
         waits = n not in self.md_ahead or (n == self.overlap_from and self.stop_at is None and self.md_end is None
-                                           and not self.queued
+                                           and not self.queued and self.rld_made > 1
                                            and len(self.md_ahead) < self.cfg.overlap_max_ahead)
         if waits and not force:
             return
