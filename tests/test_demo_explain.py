@@ -24,6 +24,6 @@ def test_explain_says_when_pdd_does_not_help_or_a_mode_failed():
 def test_explain_names_first_tokens_sent_from_p_and_their_cost():
     pdd = mode(0.15, 1.7, 0.05) | {"num_first_from_p": 40, "first_gap_ratio_p50": 1.8}
     text = explain({"modes": {"pd-local": mode(0.14, 1.4), "pd-wan-drc": mode(0.24, 6.5), "pdd": pdd}})
-    assert "40 such first tokens" in text and "1.8x the usual gap" in text
-    assert "such first tokens" not in explain({"modes": {"pd-local": mode(1, 9), "pd-wan-drc": mode(1, 10),
+    assert "40 first tokens from the prefill side" in text and "1.8x the usual gap" in text
+    assert "first tokens from the prefill side" not in explain({"modes": {"pd-local": mode(1, 9), "pd-wan-drc": mode(1, 10),
                                                          "pdd": mode(1, 10)}})

@@ -107,8 +107,8 @@ def explain(summary: dict) -> str:
                                                          f"{-gain:.0%} higher than")
     early = m["pdd"].get("num_first_from_p") or 0
     gap = m["pdd"].get("first_gap_ratio_p50")
-    how = (f"; PDD sent {early} such first tokens from the prefill side while the few new blocks crossed, "
-           f"the second token then came {gap:.1f}x the usual gap later" if early and gap else "")
+    how = (f"; PDD sent {early} first tokens from the prefill side while the KV reached the decoder that "
+           f"goes on, the second token then came {gap:.1f}x the usual gap later" if early and gap else "")
     return (f"Across datacenters, PDD's slow tail of first tokens (p90 {p90['pdd']:.1f} s) was {verb} plain "
             f"cross-datacenter PD with a decode-side cache ({p90['pd-wan-drc']:.1f} s), against "
             f"{p90['pd-local']:.1f} s with everything in one datacenter; the median request "
