@@ -152,8 +152,8 @@ def fit_prefill_cost(steps: list[tuple]) -> tuple[float, float, float] | None:
     The attention term is what a fit over tokens alone misses: where recent
     steps were warm turns' few tokens over long contexts (~3 ms a token
     here, most of it attention), such a fit priced a cold prompt's chunks
-    at the start of its context at 2.3x what they took (results/wan-bound-62x,
-    a0003: 5.3 s predicted for 1,740 tokens that took ~2.3), judged its WAN
+    at the start of its context at 2x what they took (results/wan-bound-62x,
+    a0003: 5.3 s predicted for 1,740 tokens that took 2.6), judged its WAN
     copy hidden behind the prefill and sent it direct; its user waited
     6.6 s for the line."""
     pts = [(float(t[0]), float(t[1]), float(t[2]) if len(t) > 2 and t[2] is not None else None)
