@@ -27,7 +27,7 @@ from pdd.engine.kv_events import KvEventLog
 from pdd.engine.request import EngineRequest, RequestStatus
 from pdd.engine.runner import ModelRunner
 from pdd.engine.scheduler import Scheduler, StepPlan
-from pdd.policy.views import PREFILL_FIT_STEPS, prefill_attention
+from pdd.policy.views import PREFILL_FIT_STEPS, prefill_attention, prefill_rate
 
 
 class InvalidRequestError(ValueError):
@@ -379,7 +379,7 @@ class Engine:
             "num_evictions": self.pool.num_evictions,
             "num_steps": self.num_steps,
             "decode_step_s": self.recent_decode_step_s(),
-            "prefill_tokens_s": _tokens_per_s(prefill),
+            "prefill_tokens_s": prefill_rate(prefill),
             # those steps as [prompt tokens, wall s, attention]: the router fits
             # their step, token and attention costs (`fit_prefill_cost`)
             "prefill_steps": [[n, round(w, 6), a] for n, w, a in prefill],
@@ -408,14 +408,6 @@ class Engine:
         except IndexError:
             return []
         return [(r.num_prefill_tokens, r.wall_s, r.prefill_attn) for r in recent if r.num_prefill_tokens > 0][:window]
-
-
-def _tokens_per_s(steps: list[tuple[int, float, float]]) -> float | None:
-    """(prompt tokens, wall s, attention) per step -> their tokens over their
-    time: the prefill rate the stats report (the policy's estimate of how
-    long a prefill streams its KV where P's step costs cannot be fitted)."""
-    wall = sum(s[1] for s in steps)
-    return sum(s[0] for s in steps) / wall if wall > 0 else None
 
 
 def status_reason(status: RequestStatus) -> str:

@@ -151,13 +151,13 @@ def _least_loaded_rld(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig
 
 
 def _rld_wait(req: RequestFacts, rld: InstanceView | None, cluster: ClusterView, new_tokens: int,
-              p_has: int, p_view: InstanceView, cfg: PolicyConfig) -> float | None:
+              p_has: int, p_view: InstanceView, cfg: PolicyConfig) -> float:
     """How long after P's first token `rld` would hold the prompt KV: what
     its prefix cache lacks over the local link, less what streams behind the
-    prefill when the copy streams with it; None when the local link is not
+    prefill when the copy streams with it; inf when the local link is not
     measured (or there is no RLD)."""
     if cluster.local is None or not cluster.local.usable or rld is None:
-        return None
+        return math.inf
     local = cluster.local.transfer_s(req.missing_kv_bytes(cluster.matched(rld.instance_id)))
     if cfg.stream_relay_copy:       # else it leaves once the prefill has ended: nothing hides
         local = wait_after_prefill(local, new_tokens, p_view, p_has)
@@ -208,8 +208,7 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
     big = gated and cluster.wan.bytes_s(missing) > cfg.direct_max_wan_s
     wait = copy_wait if big else wait_after_prefill(est, new_tokens, p_view, p_has)
     filterable = bool(cluster.with_role(Role.RELAY)) and in_filter_class(req, cluster.matched(p_id), cfg)
-    local = _rld_wait(req, rld, cluster, new_tokens, p_has, p_view, cfg)
-    rld_wait = math.inf if local is None else local
+    rld_wait = _rld_wait(req, rld, cluster, new_tokens, p_has, p_view, cfg)
 
     def direct(why: str) -> PipelineDecision:
         return PipelineDecision(Pipeline.DIRECT, p_id, None, md_id, True, missing, est, why, filterable,
@@ -226,10 +225,9 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterView, cfg: PolicyConfig,
                                 filterable, m, wait_s=copy_wait, rld_wait_s=rld_wait)
     if wait <= cfg.direct_max_wan_s:
         return direct(f"wan {wait:.3f}s <= {cfg.direct_max_wan_s}s")
-    if local is not None:
-        if wait - local < cfg.relay_min_gain_s:
-            return direct(f"relay gains {wait - local:.3f}s < {cfg.relay_min_gain_s}s "
-                          f"(wan {wait:.3f}s, local {local:.3f}s)")
+    if math.isfinite(rld_wait) and wait - rld_wait < cfg.relay_min_gain_s:
+        return direct(f"relay gains {wait - rld_wait:.3f}s < {cfg.relay_min_gain_s}s "
+                      f"(wan {wait:.3f}s, local {rld_wait:.3f}s)")
     if rld is None:
         return direct("no relay-decode instance" if not cluster.with_role(Role.RELAY) else "relay pool full")
     eager = min(m, math.ceil(copy_wait / rld_tpot_s(rld, cfg)))

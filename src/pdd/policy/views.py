@@ -162,13 +162,14 @@ def fit_prefill_cost(steps: list[tuple]) -> tuple[float, float, float] | None:
         return None
     with_attn = all(a is not None for _, _, a in pts)
     rows = [((1.0, n, a if with_attn else 0.0), w) for n, w, a in pts]
-    best: tuple[float, tuple[float, float, float]] | None = None
+    ys = [w for _, w in rows]
     terms = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (1,), (2,)) if with_attn else ((0, 1), (1,))
-    whole = _least_squares([[x[c] for c in terms[0]] for x, _ in rows], [w for _, w in rows])
+    fits = {cols: _least_squares([[x[c] for c in cols] for x, _ in rows], ys) for cols in terms}
+    whole = fits[terms[0]]
     if whole is not None and all(c <= 0 for c in whole[1:]):
         return None                       # bigger steps were not slower: nothing to fit
-    for cols in terms:
-        coef = _least_squares([[x[c] for c in cols] for x, _ in rows], [w for _, w in rows])
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for cols, coef in fits.items():
         if coef is None or any(c < 0 or not math.isfinite(c) for c in coef):
             continue
         full = [0.0, 0.0, 0.0]
@@ -179,9 +180,17 @@ def fit_prefill_cost(steps: list[tuple]) -> tuple[float, float, float] | None:
         sse = sum((w - sum(f * xi for f, xi in zip(full, x))) ** 2 for x, w in rows)
         if best is None or sse < best[0] - 1e-15:
             best = (sse, (full[0], full[1], full[2]))
-    if best is None:
-        return None
-    return best[1]
+    return None if best is None else best[1]
+
+
+def prefill_rate(steps: list[tuple]) -> float | None:
+    """Prompt tokens per second over (prompt tokens, wall s, ...) steps:
+    their tokens over their time, token-weighted (a mean of per-step rates
+    would weigh a prompt's short tail chunk, mostly fixed cost, as much as a
+    full one). What an engine's stats report as `prefill_tokens_s`, the
+    engine's and the simulator's P alike."""
+    wall = sum(s[1] for s in steps)
+    return sum(s[0] for s in steps) / wall if wall > 0 else None
 
 
 def _least_squares(x: list[list[float]], y: list[float]) -> list[float] | None:

@@ -28,7 +28,9 @@ from enum import Enum
 
 from pdd.policy import InstanceView, Role
 from pdd.policy.step_packing import STEP_OVERHEAD_TOKENS, joins_step
-from pdd.policy.views import PREFILL_FIT_STEPS, fit_prefill_cost, prefill_attention, prefill_compute_s
+from pdd.policy.views import (
+    PREFILL_FIT_STEPS, fit_prefill_cost, prefill_attention, prefill_compute_s, prefill_rate,
+)
 from pdd.sim.calibration_steps import role_group
 from pdd.sim.cost_model import CostModel, chunk_pairs, row_bucket
 from pdd.sim.prefix_cache import PrefixCache
@@ -427,12 +429,10 @@ class SimInstance:
             self.jobs = deque(j for j in self.jobs if id(j) not in done)
         n_pre = sum(c for _, c in self._chunks)
         if n_pre and now > self._start:
-            # Token-weighted, as the engine: a mean of per-step rates would
-            # weigh a prompt's short tail chunk (mostly fixed cost) as much as
-            # a full one, and P would look ~15% slower than it reports.
+            # Token-weighted, as the engine (a mean of per-step rates made P
+            # look ~15% slower than it reports).
             self._prefill_steps.append((n_pre, now - self._start, attn))
-            self.prefill_tokens_s = (sum(s[0] for s in self._prefill_steps)
-                                     / sum(s[1] for s in self._prefill_steps))
+            self.prefill_tokens_s = prefill_rate(self._prefill_steps)
             self.prefill_cost = fit_prefill_cost(list(self._prefill_steps))
         if self._batch:
             if not self._chunks:

@@ -298,8 +298,6 @@ class LifecycleDriverMixin:
     def _emit(self, req: SimRequest, leg: io.Leg, times: list[float], held: bool = False) -> None:
         """The user's next tokens, made at `times`, reach the user from `leg`'s instance."""
         iid = (req.seqs.get(leg) or req.legs.get(leg) or (req.p_id,))[0] if leg is not io.Leg.P else req.p_id
-        if leg is io.Leg.P and req.num_generated == 0:
-            req.p_first = True
         req.emit(times, relay=leg is io.Leg.RLD, delay_s=self.instances[iid].deliver_s, held=held,
                  from_p=leg is io.Leg.P)
 

@@ -116,6 +116,7 @@ class SimRequest:
         k = len(times)
         if k == 0:
             return
+        self.p_first = self.p_first or (from_p and self.num_generated == 0)
         if delay_s:
             times = [t + delay_s for t in times]
         if held and self.last_token_s is not None:
