@@ -443,16 +443,34 @@ def test_paced_handoff_stretches_rlds_gaps_until_mds_tokens_catch_up():
     assert lc.rld_emitted == shown[switch][1].index and lc.stop_at == shown[switch][1].index
 
 
-def test_paced_gap_follows_mds_own_pace_bounded_by_rlds():
+def test_paced_gap_follows_mds_own_pace():
     """Once two of MD's own tokens came, the stretch is of MD's time per
     token on this request (beside RLD on one core MD is slower than its
-    reported step); never of more than RLD's own pace."""
+    reported step), slower or faster than RLD's."""
     rld = [DecodeToken(1.24 + 0.04 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(3)]
-    for md_gap, pace in ((0.05, 0.04), (0.03, 0.03)):
+    for md_gap in (0.05, 0.03):
         lc, _ = paced()
         feed(lc, rld + [DecodeToken(1.30, Leg.MD, 6, ref(6)), DecodeToken(1.30 + md_gap, Leg.MD, 7, ref(7))])
         assert lc.owner is Leg.RLD and len(lc.tokens) == 8        # the user is ahead of MD still
-        assert lc.md_pace_s() == pytest.approx(md_gap) and lc.pace_gap_s == pytest.approx(1.5 * pace)
+        assert lc.md_pace_s() == pytest.approx(md_gap) and lc.pace_gap_s == pytest.approx(1.5 * md_gap)
+
+
+def test_paced_md_slower_than_rld_catches_up_without_a_stall():
+    """MD at 60 ms a token, RLD at 40: the user's tokens go out 1.5 x MD's
+    gap apart, so MD, a round trip and an extend behind, gains 30 ms a token
+    and takes the stream before the lag bound; no gap beyond the stretch
+    (paced at RLD's faster gap MD never caught up: RLD paused at the lag
+    bound and the user waited out MD's whole lag at once)."""
+    lc, _ = paced()
+    rld = [DecodeToken(1.24 + 0.04 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(30)]
+    md = [DecodeToken(1.39 + 0.06 * k, Leg.MD, 6 + k, ref(6 + k)) for k in range(34)]
+    shown = feed(lc, rld + md + [DecodeEnded(3.5, Leg.MD, EndReason.LENGTH)])
+    assert lc.tokens == [ref(i) for i in range(40)] and lc.done.reason is FinishReason.LENGTH
+    switch = next(i for i, (_, c) in enumerate(shown) if c.source is Leg.MD)
+    times = [1.20] + [t for t, _ in shown]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) <= 1.5 * 0.06 + 1e-9
+    assert shown[switch][1].index < 6 + 2 * PACED_CFG.overlap_max_lag and lc.stop_at == shown[switch][1].index
 
 
 def test_paced_tokens_held_back_go_out_when_rld_ends_the_request_first():

@@ -185,19 +185,23 @@ class HandoffRules:
     # --- paced -------------------------------------------------------------------------
     def _pace_gap(self) -> float:
         """The least gap between the user's tokens while MD catches up:
-        `handoff_pace_ratio` of the faster of MD's pace and RLD's. MD's is
-        its time per token on this request once two of its own tokens came
-        (`md_pace_s`; its reported decode step before): beside RLD on one
+        `handoff_pace_ratio` of MD's pace, its time per token on this request
+        once two of its own tokens came (`md_pace_s`; its reported decode
+        step before; RLD's pace only while MD has neither): beside RLD on one
         core MD runs at RLD's pace, and a stretch of its mean step alone
-        would never let it catch up. Gaps slower than MD's let MD's own
-        tokens, a round trip and an extend behind RLD's, gain on the user's
-        stream a fraction of MD's gap a token; RLD's pace bounds the stretch,
-        so an MD slower than RLD does not slow the user down to its own pace
-        (it does not catch up, and RLD pauses at the lag bound)."""
+        would never let it catch up. Gaps of ratio x MD's let MD's own
+        tokens, a round trip and an extend behind RLD's, gain ratio - 1 of
+        MD's gap a token, however RLD runs. Until session 34 an MD slower
+        than RLD was paced at RLD's faster gap, which it could not catch up
+        with: RLD paused at the lag bound and the user waited for MD over the
+        whole lag at once (`results/ab-s34-float`, s0008-t00: MD at 0.10 s a
+        token against RLD's 0.07, a 0.41 s stall, 4.4x the median gap),
+        where ratio x MD's gap (1.5x) for a few tokens is the stall's ceiling
+        the design asks for."""
         md = self.md_pace_s() or (self.md_view.step_time_s if self.md_view is not None else None)
         rld = self.rld_pace_s() or (self.rld_view.step_time_s if self.rld_view is not None else None)
-        paces = [p for p in (md, rld) if p and p > 0]
-        return self.cfg.handoff_pace_ratio * (min(paces) if paces else self.cfg.rld_tpot_prior_s)
+        pace = next((p for p in (md, rld) if p and p > 0), self.cfg.rld_tpot_prior_s)
+        return self.cfg.handoff_pace_ratio * pace
 
     def md_pace_s(self) -> float | None:
         """MD's time per token over its own last tokens while it races RLD."""
