@@ -193,3 +193,38 @@ def test_length_scale_flag_scales_an_agentic_preset():
     assert sum(r.prompt_tokens for r in half.requests) < 0.55 * sum(r.prompt_tokens for r in full.requests)
     with pytest.raises(SystemExit):
         build_workload(p.parse_args(["--length-scale", "0"]))
+
+
+def test_wan_bound_takes_the_sizing_of_the_cpu_it_runs_on(tmp_path, capsys):
+    """`pdd bench --preset wan-bound` on a CPU with AMX is the regime sized for
+    it (the Xeon's preset and line); elsewhere, with a line or a scale of the
+    run's own, or under another preset, it stays as written."""
+    import argparse
+
+    from pdd.bench.cli import add_arguments, size_for_cpu
+
+    assert agentic.sized_for_cpu("wan-bound", frozenset({"avx512f", "amx_bf16"})) == \
+        ("wan-bound-xeon", 57.0, "amx_bf16")
+    assert agentic.sized_for_cpu("wan-bound", frozenset({"avx512f", "avx512_bf16"})) is None
+    assert agentic.sized_for_cpu("wan-bound-epyc", frozenset({"amx_bf16"})) is None
+    assert agentic.PRESETS["wan-bound-epyc"] == agentic.PRESETS["wan-bound"]
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n\nprocessor\t: 1\n")
+    assert agentic.cpu_flags(str(info)) == frozenset({"fpu", "avx512f", "amx_bf16", "amx_tile"})
+    assert agentic.cpu_flags(str(tmp_path / "absent")) == frozenset()
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    amx = frozenset({"amx_bf16"})
+    args = p.parse_args(["--preset", "wan-bound", "-c", "x.toml"])
+    size_for_cpu(args, amx)
+    assert (args.preset, args.wan_mbps) == ("wan-bound-xeon", 57.0)
+    assert "--preset wan-bound-xeon --wan-mbps 57" in capsys.readouterr().err
+    for own in (["--wan-mbps", "30"], ["--length-scale", "0.75"]):
+        args = p.parse_args(["--preset", "wan-bound", *own])
+        size_for_cpu(args, amx)
+        assert args.preset == "wan-bound"
+    args = p.parse_args(["--preset", "wan-bound"])
+    size_for_cpu(args, frozenset({"avx512f"}))
+    assert (args.preset, args.wan_mbps) == ("wan-bound", None)

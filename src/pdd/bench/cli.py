@@ -69,14 +69,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="self-test: a fake streaming server instead of each deployment")
 
 
+def size_for_cpu(args: argparse.Namespace, flags: frozenset[str]) -> None:
+    """`--preset wan-bound` as sized for this host's CPU (`agentic.CPU_SIZINGS`),
+    unless the run sets its own line or scale; says so on stderr."""
+    from pdd.measure import agentic
+
+    if args.workload != "agentic" or args.wan_mbps is not None or getattr(args, "length_scale", None) is not None:
+        return
+    sized = agentic.sized_for_cpu(getattr(args, "preset", None), flags)
+    if sized is None:
+        return
+    args.preset, args.wan_mbps, flag = sized
+    print(f"pdd bench: --preset wan-bound on this CPU ({flag}) is the regime as sized for it: --preset "
+          f"{args.preset} --wan-mbps {args.wan_mbps:g} (README, 'The WAN-bound regime'; "
+          f"--preset wan-bound-epyc keeps the AMD EPYC's sizing)", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     delegate = getattr(args, "_bench_delegate", None)
     if delegate is not None:
         return int(delegate(args) or 0)
 
     from pdd.bench import runner
-    from pdd.measure import report
+    from pdd.measure import agentic, report
 
+    size_for_cpu(args, agentic.cpu_flags())
     workload = build_workload(args)
     if args.dry_run:
         print(json.dumps(workload.describe(), indent=2))

@@ -215,7 +215,37 @@ WAN_BOUND_XEON = AgenticConfig(
 WAN_BOUND = WAN_BOUND_XEON.scaled(1 / 2)
 
 PRESETS = {"full": AgenticConfig(), "quick": QUICK, "validate": VALIDATE, "wan-bound": WAN_BOUND,
-           "wan-bound-xeon": WAN_BOUND_XEON}
+           "wan-bound-epyc": WAN_BOUND, "wan-bound-xeon": WAN_BOUND_XEON}
+
+# The regime as sized on each CPU the project has run on, by the README's
+# procedure ("The WAN-bound regime"): a CPU flag, the preset and the line in
+# Mbit/s. `pdd bench --preset wan-bound` takes the first whose flag the host
+# has (`sized_for_cpu`): with AMX's bf16 tiles P prefills ~1.8x as fast as on
+# the AMD EPYC without them (README), so the EPYC-sized preset would load P
+# half as much and leave every TTFT a short prefill. Other CPUs keep the
+# EPYC's sizing (`--preset wan-bound-epyc` names it anywhere).
+CPU_SIZINGS: tuple[tuple[str, str, float], ...] = (("amx_bf16", "wan-bound-xeon", 57.0),)
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The host CPU's feature flags (Linux), empty where they cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def sized_for_cpu(preset: str | None, flags: frozenset[str]) -> tuple[str, float, str] | None:
+    """(preset, line Mbit/s, the flag) that `--preset wan-bound` stands for on
+    a CPU with `flags`; None where it stays as written (another preset, or a
+    CPU without a sizing of its own)."""
+    if preset != "wan-bound":
+        return None
+    return next(((name, mbps, flag) for flag, name, mbps in CPU_SIZINGS if flag in flags), None)
 
 
 def num_abnormal(cfg: AgenticConfig) -> int:
