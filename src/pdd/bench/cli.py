@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from pdd.measure import agentic
 from pdd.measure.flags import add_workload_arguments, build_workload, sla_from_args
 
 DELEGATES = {"engine": "pdd.engine.bench", "handoff": "pdd.bench.handoff"}
@@ -72,8 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def size_for_cpu(args: argparse.Namespace, flags: frozenset[str]) -> None:
     """`--preset wan-bound` as sized for this host's CPU (`agentic.CPU_SIZINGS`),
     unless the run sets its own line or scale; says so on stderr."""
-    from pdd.measure import agentic
-
     if args.workload != "agentic" or args.wan_mbps is not None or getattr(args, "length_scale", None) is not None:
         return
     sized = agentic.sized_for_cpu(getattr(args, "preset", None), flags)
@@ -91,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         return int(delegate(args) or 0)
 
     from pdd.bench import runner
-    from pdd.measure import agentic, report
+    from pdd.measure import report
 
     size_for_cpu(args, agentic.cpu_flags())
     workload = build_workload(args)
