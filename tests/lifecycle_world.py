@@ -21,7 +21,7 @@ from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.lifecycle_io import (
     Abort, CancelTransfer, ClientGone, CloseStream, DeadlinePassed, DecodeEnded, DecodeToken, DecodeTokens, Emit,
     EmitRun,
-    EndReason, Extended, ExtendMd, Finish, KvReady, Leg, OpenDecode, PauseRld, PeerGone, Prefilled,
+    EndReason, Extended, ExtendAhead, ExtendMd, Finish, KvReady, Leg, OpenDecode, PauseRld, PeerGone, Prefilled,
     PrefillEnded, ReleaseP, ResumeRld, StartPrefill, StartTransfer, TransferEnded, Wake,
 )
 
@@ -42,6 +42,7 @@ class Stream:
     pause_limit: int | None = None  # stops producing at this index
     extends: list[int] = field(default_factory=list)     # `extended` uptos to report
     holds: int = 1                  # MD: tokens it holds (P's first, then extended)
+    ahead: list = field(default_factory=list)    # MD: ExtendAhead calls on their way (start, ids)
     ended: bool = False
     dead_end: bool = False          # its instance died: one error event to report
 
@@ -109,6 +110,12 @@ class World:
                 self.streams.pop(c.leg, None)
             elif isinstance(c, ExtendMd):
                 self._extend(c)
+            elif isinstance(c, ExtendAhead):
+                # The user's tokens from `start` on, as the user has them.
+                assert list(c.token_ids) == self.user[c.start:c.start + len(c.token_ids)], (c, self.user)
+                s = self.streams.get(Leg.MD)
+                if s is not None and s.iid == c.instance_id:
+                    s.ahead.append((c.start, len(c.token_ids)))
             elif isinstance(c, PauseRld):
                 s = self.streams.get(Leg.RLD)
                 if s is not None:
@@ -149,6 +156,18 @@ class World:
         else:
             s.extends.append(s.holds)
 
+    md_lands_after: int | None = None   # MD's copy lands only once RLD made this many tokens (or stopped)
+
+    def _md_copy_waits(self, iid: str) -> bool:
+        """MD's copy held back while RLD streams (`md_lands_after`): the orders
+        in which RLD's tokens go to MD ahead of its KV."""
+        s = self.streams.get(Leg.MD)
+        r = self.streams.get(Leg.RLD)
+        if self.md_lands_after is None or s is None or s.iid != iid or r is None or r.ended:
+            return False
+        stopped = not self.alive[r.iid] or (r.pause_limit is not None and r.pos >= r.pause_limit)
+        return r.pos < min(self.md_lands_after, self.num_out) and not stopped
+
     # --- world -> facts -------------------------------------------------------
     def actions(self, faults: bool) -> list[tuple[str, object]]:
         acts: list[tuple[str, object]] = []
@@ -156,7 +175,8 @@ class World:
         if not self.prefilled and p_up and not self.p_ended:
             acts.append(("prefill", None))
         if self.prefilled:
-            acts += [("land", iid) for iid, ok in self.transfers.items() if p_up or not ok]
+            acts += [("land", iid) for iid, ok in self.transfers.items()
+                     if (p_up or not ok) and not self._md_copy_waits(iid)]
         if self.prefilled and not self.p_ended and not self.transfers and self.p_released:
             acts.append(("p_end", None))
         for leg, s in self.streams.items():
@@ -167,6 +187,8 @@ class World:
                 continue
             if not self.alive[s.iid]:
                 continue
+            if s.ahead:
+                acts.insert(0, ("ahead", leg))      # the next call sent ahead reaches MD (first: no lag)
             if leg is Leg.MD and s.kv and not s.kv_ready_sent:
                 acts.append(("kv_ready", leg))
                 continue
@@ -199,9 +221,22 @@ class World:
         elif kind == "p_end":
             self.p_ended = True
             self.fact(PrefillEnded(t))
+        elif kind == "ahead":
+            s = self.streams[arg]
+            start, n = s.ahead.pop(0)
+            if not s.kv and start <= s.holds:         # MD takes no more once its KV landed
+                s.holds = max(s.holds, start + n)
         elif kind == "kv_ready":
-            self.streams[arg].kv_ready_sent = True
-            self.fact(KvReady(t, self.rld_view(), md=self.md_view()))
+            s = self.streams[arg]
+            s.kv_ready_sent = True
+            # As the decode server: RLD's tokens taken ahead are computed with
+            # the prompt's tail and MD decodes on, unless they leave nothing to make.
+            runs_on = s.hold and 1 < s.holds < self.req.max_tokens
+            if runs_on:
+                s.decoding, s.pos = True, s.holds
+            else:
+                s.holds = 1
+            self.fact(KvReady(t, self.rld_view(), md=self.md_view(), md_have=s.holds if runs_on else None))
         elif kind == "extended":
             self.fact(Extended(t, self.streams[arg].extends.pop(0)))
         elif kind == "token" and self.bulk is not None:

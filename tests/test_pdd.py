@@ -133,6 +133,12 @@ def test_low_hit_request_streams_from_rld_then_finishes_on_md(auto, reference, s
     md_ready = event(tr, "kv_ready")["ts"]
     assert tr["token_times_s"][0] < md_ready - 1.0, "first tokens streamed well before MD had the KV"
     assert tr["handoff_mode"] in ("one_shot", "catch_up") and tr["handoff_gap_s"] is not None
+    # RLD's tokens went to MD while the KV crossed (`extend_ahead`): MD took
+    # them at the landing and decoded on from there, with no batch after its
+    # kv_ready; its tokens past them equal one engine's alone (the text above).
+    log = event(tr, "lifecycle")["log"]
+    assert event(tr, "md_ready").get("ahead", 0) > 1 and "extend_ahead" in log, timeline(tr)
+    assert "extend" not in log and "extend_final" not in log and tr["handoff_batches"] == 1, log
     assert tr["wan_bytes"] == 400 // 16 * 16 * KV_BYTES_PER_TOKEN      # every full block crossed once
     # P began both transfers while it computed the prompt (streaming), so each
     # waited for blocks; the copy to MD yielded the line to nothing else here.

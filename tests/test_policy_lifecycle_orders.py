@@ -22,12 +22,15 @@ DECISIONS = {
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def world(data, faults: int, bulk: bool = False) -> World:
-    """bulk: decoders emit 1-4 tokens per event (`DecodeTokens`, as the simulator's steps)."""
-    name = data.draw(st.sampled_from(sorted(DECISIONS)), label="pipeline")
-    mode = data.draw(st.sampled_from(["auto", "one_shot", "catch_up", "overlap", "paced"]), label="handoff")
-    max_tokens = data.draw(st.integers(1, 24), label="max_tokens")
-    num_out = data.draw(st.integers(1, 24), label="num_out")
+def world(data, faults: int, bulk: bool = False, ahead: bool = False) -> World:
+    """bulk: decoders emit 1-4 tokens per event (`DecodeTokens`, as the simulator's steps);
+    ahead: a relay's WAN copy lands after RLD made a few tokens (sent to MD ahead of it)."""
+    name = data.draw(st.sampled_from(["relay", "relay_filterable"] if ahead else sorted(DECISIONS)),
+                     label="pipeline")
+    modes = ["auto", "overlap", "paced"] if ahead else ["auto", "one_shot", "catch_up", "overlap", "paced"]
+    mode = data.draw(st.sampled_from(modes), label="handoff")
+    max_tokens = data.draw(st.integers(6 if ahead else 1, 24), label="max_tokens")
+    num_out = data.draw(st.integers(6 if ahead else 1, 24), label="num_out")
     warm = data.draw(st.sampled_from([0, 2]), label="warm_blocks") if name == "filtered" else 0
     # Paced (MD as fast as RLD, the final batch leaves RLD streaming, its
     # tokens let out at `Wake`s): "paced", or "auto" / "catch_up" with the
@@ -35,7 +38,10 @@ def world(data, faults: int, bulk: bool = False) -> World:
     pace = 1.5 if mode == "paced" else data.draw(st.sampled_from([0, 1.5]), label="pace ratio")
     cfg = PolicyConfig(handoff_mode="auto" if mode == "overlap" else mode, catchup_threshold_tokens=2,
                        catchup_final_max_tokens=1, overlap_max_ahead=data.draw(st.integers(1, 3), label="ahead"),
-                       overlap_max_lag=data.draw(st.integers(1, 6), label="lag"), handoff_pace_ratio=pace)
+                       overlap_max_lag=data.draw(st.integers(1, 6), label="lag"), handoff_pace_ratio=pace,
+                       # RLD's tokens sent to MD ahead of its KV, which MD takes
+                       # until the KV lands and decodes on from (auto, overlap, paced)
+                       extend_ahead=ahead or data.draw(st.booleans(), label="extend ahead"))
     w = World(DECISIONS[name], num_out, max_tokens, cfg, warm_blocks=warm)
     if mode == "overlap":
         # MD decodes at a fifth of RLD's step: the final batch does not pause
@@ -50,6 +56,9 @@ def world(data, faults: int, bulk: bool = False) -> World:
     w.extra_after_pause = data.draw(st.integers(0, 3), label="tokens past a pause")
     if bulk:
         w.bulk = lambda n: data.draw(st.integers(1, n), label="bulk")
+    if ahead:
+        # MD's copy lands only after some of RLD's tokens: they go to MD ahead.
+        w.md_lands_after = data.draw(st.integers(1, 5), label="md lands after")
     w.run(lambda n: data.draw(st.integers(0, n - 1)), faults=faults)
     return w
 
@@ -79,6 +88,18 @@ def expected_stream(w: World) -> list[int]:
     made_from = w.lc.overlap_from if w.lc.overlap_from is not None else md_first
     assert md_first <= max(w.md_wrong_from, made_from), "the user was shown MD's tokens after MD had diverged"
     return [ref(i) for i in range(md_first)] + [w.tok(Leg.MD, i) for i in range(md_first, w.num_out)]
+
+
+@SETTINGS
+@given(st.data())
+def test_tokens_sent_ahead_of_mds_kv_in_any_order_stream_exactly_the_reference(data):
+    """RLD's tokens go to MD while its copy crosses and reach it before or
+    after the landing; MD decodes on from what it took (possibly other tokens
+    from some index on): the user's stream is the reference, with or without
+    faults."""
+    faults = data.draw(st.integers(0, 2), label="faults")
+    w = world(data, faults=faults, ahead=True)
+    check_with_faults(w) if faults else check_without_faults(w)
 
 
 @SETTINGS

@@ -33,12 +33,13 @@ from test_sim_events import AS_WRITTEN, pdd_as_written   # the example as these 
 # 3 s every 20 s (copies fail, DIRECT fails over to RLD, routing sees it down);
 # "wan-bound+slow": the AMD-sized preset on an 18 Mbit/s line (its own is
 # 24), where relays end on RLD with MD's copy still landing (parked), as in
-# the real runs; "full+paused": pacing off (`handoff_pace_ratio` 0), so
-# one-shot and catch-up final batches pause RLD.
+# the real runs; "full+paused": pacing off (`handoff_pace_ratio` 0) and no
+# tokens sent ahead of MD's KV (`extend_ahead` off), so one-shot and
+# catch-up final batches pause RLD.
 RUNS = ("full", "wan-bound-xeon", "quick+cuts", "wan-bound+slow", "full+paused")
 CUTS = [(t, t + 3.0) for t in (10.0, 30.0, 50.0, 70.0, 90.0, 110.0)]
 SLOW = {**AS_WRITTEN, "links": {"bandwidth_mbps": 18.0}}
-PAUSED = {**AS_WRITTEN, "policy": {**AS_WRITTEN["policy"], "handoff_pace_ratio": 0}}
+PAUSED = {**AS_WRITTEN, "policy": {**AS_WRITTEN["policy"], "handoff_pace_ratio": 0, "extend_ahead": False}}
 OVERRIDES = {"slow": SLOW, "paused": PAUSED}
 
 
@@ -138,5 +139,5 @@ def test_the_replayed_runs_cover_the_lifecycle_paths(runs):
     for w in ("note:md_ready:one_shot", "note:md_ready:catch_up", "extend", "extend_final", "pause_at:rld",
               "note:handoff_complete", "emit:md", "note:md_parked", "abort:md:keep_kv", "note:md_dropped",
               "abort:rld", "note:failover", "start_transfer", "note:md_ready:paced", "note:paced",
-              "note:md_ready:overlap"):
+              "note:md_ready:overlap", "extend_ahead"):
         assert words[w] > 0, w

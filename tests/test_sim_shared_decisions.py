@@ -37,8 +37,12 @@ pytestmark = pytest.mark.slow
 # keeps no decision far from its threshold; the paused catch-up's words do
 # not depend on them. (Paced handoffs on the real model: tests/test_pdd.py;
 # the simulator's against the servers': `pdd sim --validate` of a bench run.)
+# RLD's tokens are not sent ahead of MD's KV either: MD racing RLD from its
+# landing turns on the same milliseconds (MD's and RLD's pace decide the
+# mode). (The ahead path on the real model: tests/test_pdd.py.)
 POLICY = {"direct_max_wan_s": 0.08, "catchup_threshold_tokens": 8, "catchup_final_max_tokens": 4,
-          "handoff_mode": "auto", "first_token_max_stall_s": 0.25, "handoff_pace_ratio": 0}
+          "handoff_mode": "auto", "first_token_max_stall_s": 0.25, "handoff_pace_ratio": 0,
+          "extend_ahead": False}
 
 
 def _ids(seed: int, n: int) -> list[int]:

@@ -161,6 +161,14 @@ class PolicyConfig:
     # (2.5-4x MD's gap at a 45 ms round trip, `wan-bound-59-96`). Above 1
     # (MD gains ratio - 1 of its step a token); 0: the final batch pauses RLD.
     handoff_pace_ratio: float = 1.5
+    # RLD's tokens go to MD as they come while the prompt's KV crosses
+    # (`ExtendAhead`): MD computes them with the prompt's tail in its first
+    # step after the landing and races RLD from there at once, where the
+    # handoff's first batch waited for MD's kv_ready to reach the router and
+    # the batch to come back, then for a step of its own after the tail's
+    # (`results/wan-bound-66`, s0000-t00: MD's first token 0.33 s after its
+    # KV landed). Applies with handoff_mode "auto", "overlap" or "paced".
+    extend_ahead: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.handoff_mode, str):

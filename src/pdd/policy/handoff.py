@@ -178,6 +178,7 @@ class HandoffSession:
         (`RLD_FINISHES`)."""
         self.request_id = request_id
         self.mode = mode
+        self.chosen = mode        # the mode `choose_handoff_mode` chose (`new_session`)
         self.cfg = cfg
         self.max_tokens = max_tokens
         self.state = HandoffState.AWAITING_MD
@@ -236,6 +237,23 @@ class HandoffSession:
         final = (self.mode is HandoffMode.ONE_SHOT
                  or num_generated <= self.cfg.catchup_final_max_tokens)
         return self._send(0, num_generated, final, arm=rld_decoding)
+
+    def on_md_running(self, now: float, have: int, num_generated: int) -> bool:
+        """MD took RLD's first `have` tokens, sent ahead while its KV crossed,
+        and decodes on from them (`PolicyConfig.extend_ahead`): as an
+        overlapping session's final batch, sent and extended at once. False
+        where RLD ends the request itself (`RLD_FINISHES`, as `on_md_ready`):
+        MD is to stop."""
+        self._expect(HandoffState.AWAITING_MD, "on_md_running")
+        if not self.overlaps:
+            raise HandoffError(f"{self.request_id}: MD runs on in a {self.mode.name} session")
+        self._advance(num_generated)
+        self.md_ready_s = now
+        if self._rld_finishes(num_generated):
+            return False
+        self._batches.append(SendBatch(0, have, True))
+        self.state = HandoffState.FINAL_IN_FLIGHT
+        return True
 
     def on_rld_token(self, now: float, num_generated: int) -> SendBatch | None:
         """RLD's token reached the router: an armed final batch goes now."""
@@ -343,7 +361,18 @@ class HandoffSession:
 
 def new_session(request_id: str, num_eager_tokens: int, rld: InstanceView,
                 cfg: PolicyConfig, max_tokens: int | None = None,
-                md: InstanceView | None = None, rld_pace_s: float | None = None) -> HandoffSession:
-    """A session with its mode chosen from RLD's (and MD's) load at MD-ready time."""
-    mode = choose_handoff_mode(num_eager_tokens, rld, cfg, md, rld_pace_s)
-    return HandoffSession(request_id, mode, cfg, max_tokens)
+                md: InstanceView | None = None, rld_pace_s: float | None = None,
+                md_runs_on: bool = False) -> HandoffSession:
+    """A session with its mode chosen from RLD's (and MD's) load at MD-ready
+    time. `md_runs_on`: MD decodes on from RLD's tokens it took ahead of its
+    KV (`HandoffSession.on_md_running`): the session overlaps whatever the
+    choice, paced where MD is not clearly faster and pacing is on; `chosen`
+    keeps the choice (a one-shot's busy RLD is paused at once)."""
+    chosen = choose_handoff_mode(num_eager_tokens, rld, cfg, md, rld_pace_s)
+    mode = chosen
+    if md_runs_on:
+        mode = HandoffMode.OVERLAP if chosen is HandoffMode.OVERLAP or cfg.handoff_pace_ratio <= 0 \
+            else HandoffMode.PACED
+    session = HandoffSession(request_id, mode, cfg, max_tokens)
+    session.chosen = chosen
+    return session

@@ -99,6 +99,8 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
         self.wan_started_s: float | None = None
         self.first_token: int | None = None
         self.md_upto = 1                           # tokens MD holds: P's first, then extended
+        self.ahead_upto = 1                        # the user's tokens sent to MD ahead of its KV
+        self.md_runs_from: int | None = None       # MD decodes on from the tokens it took ahead
         self.seen_s: dict[Leg, float] = {}         # last event per stream
         self.rld_kv_s: float | None = None         # RLD's KV landed: from then on it streams
         self.md_extend_s: float | None = None
@@ -118,6 +120,7 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
         self.md_view: InstanceView | None = None      # MD's, at its kv_ready
         self.overlap_from: int | None = None       # overlap handoff: MD's first token of its own
         self.md_ahead: dict[int, int] = {}         # overlap: MD's tokens past the user's
+        self.md_first_ahead: int | None = None     # overlap: the index of MD's first token past the user's
         self.md_end: FinishReason | None = None    # overlap: MD ended before owning the stream
         self.rld_seen: list[tuple[float, int]] = []   # (when, the user's tokens) at RLD's last facts: its pace
         self.pace_gap_s: float | None = None       # paced handoff: the least gap between the user's tokens
@@ -365,6 +368,7 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
             self._do(f.now, self.session.on_rld_token(f.now, len(self.tokens)))
         if last:
             self._maybe_cancel_wan(f.now)
+            self._send_ahead()
 
     def _on_rld_ended(self, now: float, reason: EndReason, error: str,
                       healthy: tuple[InstanceView, ...]) -> None:

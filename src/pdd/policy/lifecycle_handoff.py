@@ -1,6 +1,9 @@
 """MD's side of a request's life and the handoff: the rules `RequestLifecycle`
 applies once MD's copy of the prompt's KV has landed.
 
+    RLD's tokens while MD's KV crosses -> ExtendAhead (`_send_ahead`); MD's
+      kv_ready says it took some and decodes on -> an overlap (or paced)
+      session whose final batch is extended already (`_race_from`)
     MD KvReady while RLD streams -> HandoffSession (`handoff.new_session`):
       ExtendMd batches of RLD's token ids; the final one pauses RLD at
       `stop_at` (held ahead at RLD's next token when armed, `_hold_ahead`)
@@ -19,17 +22,23 @@ applies once MD's copy of the prompt's KV has landed.
 
 from __future__ import annotations
 
+from pdd.policy.config import HandoffOverride
 from pdd.policy.handoff import Complete, HandoffMode, HandoffState, SendBatch, new_session
 from pdd.policy.lifecycle_io import (
-    Abort, DecodeEnded, DecodeToken, EndReason, Extended, ExtendMd, FinishReason, KvReady, Leg, PauseRld,
-    ResumeRld,
+    Abort, DecodeEnded, DecodeToken, EndReason, Extended, ExtendAhead, ExtendMd, FinishReason, KvReady, Leg,
+    PauseRld, ResumeRld,
 )
 from pdd.policy.lifecycle_recovery import _Failed
+from pdd.policy.pipeline import Pipeline
 from pdd.policy.views import InstanceView, Role
 
 
 # RLD's facts that its pace is read from (`HandoffRules.rld_pace_s`): five gaps.
 RLD_PACE_FACTS = 6
+# The handoff settings under which RLD's tokens go to MD ahead of its KV: those
+# whose final batch may leave RLD streaming (forced one-shot and catch-up keep
+# their batches, for comparison runs).
+AHEAD_MODES = (HandoffOverride.AUTO, HandoffOverride.OVERLAP, HandoffOverride.PACED)
 
 
 class HandoffRules:
@@ -43,10 +52,17 @@ class HandoffRules:
         if f.md is not None:
             self.md_view = f.md
         self._note("kv_ready", instance=self.md_id, payload_bytes=f.payload_bytes)
+        if f.md_have is not None:
+            if f.md_have > max(self.ahead_upto, self.md_upto):
+                raise _Failed(f"main decode took {f.md_have} tokens; {self.ahead_upto} were sent to it")
+            self.md_runs_from = self.md_upto = f.md_have
+            self.md_extend_s = f.now
         if self.takeover_pending:
             self._try_takeover(f.now)
         elif self.owner is Leg.RLD:
-            if self.tokens:
+            if self.md_runs_from is not None:
+                self._race_from(f.now)
+            elif self.tokens:
                 self._new_session(f.now)
             else:
                 self.md_ready_pending = True
@@ -124,6 +140,54 @@ class HandoffRules:
         # tokens[0] is P's: RLD decodes from the second one on.
         self._do(now, self.session.on_md_ready(now, len(self.tokens), rld_decoding=len(self.tokens) > 1))
 
+    def _ahead_on(self) -> bool:
+        """RLD streams and MD's KV is still on its way, MD's decode open and
+        held for the handoff: RLD's tokens may go to MD ahead of the KV."""
+        return (self.cfg.extend_ahead and self.cfg.handoff_mode in AHEAD_MODES
+                and self.d.pipeline is Pipeline.RELAY and self.md_live and self.md_ready_s is None
+                and Leg.MD in self.open_legs and self.owner is Leg.RLD and self.session is None
+                and not self.takeover_pending and self.stop_at is None)
+
+    def _send_ahead(self) -> None:
+        """The user's tokens past P's first that MD has not been sent go to it
+        now (`PolicyConfig.extend_ahead`). MD takes what reached it before its
+        KV landed and races RLD from there at once (`_race_from`)."""
+        if self._ahead_on() and len(self.tokens) > self.ahead_upto:
+            self._out.append(ExtendAhead(self.md_id, self.ahead_upto, tuple(self.tokens[self.ahead_upto:])))
+            self.ahead_upto = len(self.tokens)
+
+    def _race_from(self, now: float) -> None:
+        """MD's KV landed with RLD's first `md_runs_from` tokens, which it
+        computed with the prompt's tail and decodes on from: the handoff is
+        an overlap whose final batch has been extended (paced where MD is not
+        clearly faster than RLD, as `choose_handoff_mode` has it). Where the
+        mode would have been one-shot (a busy RLD wants its slot back), RLD
+        pauses now and MD's tokens catch the user's stream up."""
+        rld = self.rld_view or InstanceView(self.rld_id or "rld", Role.RELAY, "", 0, 0, 1, 0, 0)
+        self.session = new_session(self.req.request_id, len(self.tokens), rld, self.cfg, self.req.max_tokens,
+                                   self.md_view, self.rld_pace_s(), md_runs_on=True)
+        races = self.session.on_md_running(now, self.md_runs_from, len(self.tokens))
+        chosen = self.session.chosen
+        self._note("md_ready", eager_tokens=len(self.tokens), mode=chosen.value, ahead=self.md_runs_from)
+        if not races:
+            # RLD ends the request within `catchup_final_max_tokens`: MD's decode
+            # stops, its KV kept for its prefix cache (the next turn's).
+            self.md_live = False
+            self._note("md_dropped", reason="request ends on RLD within catchup_final_max_tokens")
+            self._close(Leg.MD)
+            self._out.append(Abort(Leg.MD, self.md_id, keep_kv=True, background=True))
+            return
+        self.overlap_from = self.md_runs_from
+        self.rld_hold_at = None
+        self.handoff_batches += 1       # what MD took ahead: the final batch, extended at the landing
+        if self.session.paced:
+            self.pace_gap_s = self._pace_gap()
+            self._note("paced", gap_s=round(self.pace_gap_s, 4))
+        if chosen is HandoffMode.ONE_SHOT and self.rld_id is not None:
+            self.stop_at = self.rld_made
+            self._note("overlap_pause", at=self.stop_at)
+            self._out.append(PauseRld(self.rld_id))
+
     def _do(self, now: float, act: SendBatch | Complete | None) -> None:
         while isinstance(act, SendBatch):
             self.handoff_batches += 1
@@ -197,11 +261,17 @@ class HandoffRules:
         whole lag at once (`results/ab-s34-float`, s0008-t00: MD at 0.10 s a
         token against RLD's 0.07, a 0.41 s stall, 4.4x the median gap),
         where ratio x MD's gap (1.5x) for a few tokens is the stall's ceiling
-        the design asks for."""
+        the design asks for. While MD's pace is unknown (its first steps on
+        an instance that has reported none) the gap is RLD's own pace,
+        unstretched: a stretch of RLD's would hold a slow RLD's tokens
+        (0.24 s beside P) back to 0.36 s for an MD that turns out to make
+        its tokens at 0.065 s (the simulator's first relay of a run); MD's
+        first two tokens set the gap again."""
         md = self.md_pace_s() or (self.md_view.step_time_s if self.md_view is not None else None)
+        if md and md > 0:
+            return self.cfg.handoff_pace_ratio * md
         rld = self.rld_pace_s() or (self.rld_view.step_time_s if self.rld_view is not None else None)
-        pace = next((p for p in (md, rld) if p and p > 0), self.cfg.rld_tpot_prior_s)
-        return self.cfg.handoff_pace_ratio * pace
+        return rld if rld and rld > 0 else self.cfg.handoff_pace_ratio * self.cfg.rld_tpot_prior_s
 
     def md_pace_s(self) -> float | None:
         """MD's time per token over its own last tokens while it races RLD."""
@@ -253,6 +323,8 @@ class HandoffRules:
                 self._overlap_diverged(f.now, f.index)
             return
         self.md_ahead[f.index] = f.token
+        if self.md_first_ahead is None:
+            self.md_first_ahead = f.index
         self._overlap_switch(f.now)
 
     def _overlap_after_rld_token(self, now: float) -> None:
@@ -278,8 +350,12 @@ class HandoffRules:
 
     def _overlap_switch(self, now: float, force: bool = False) -> None:
         """MD has the user's next token: it owns the stream from here. MD's
-        first token of its own waits for RLD's of the same index (RLD's token
-        is due within its gap; MD's next one then follows within MD's), unless
+        first token ahead of the user's stream (`md_first_ahead`: its first
+        of its own after a final batch, or a later one where RLD made those
+        before MD, as after tokens sent ahead) waits for RLD's of the same
+        index (RLD's token is due within its gap; MD's next one then follows
+        within MD's: the switch lands just after one of RLD's tokens, where
+        switching at once lands anywhere in RLD's gap), unless
         MD is `overlap_max_ahead` tokens ahead, RLD is paused or gone, MD has
         ended, or RLD has not decoded a token yet: only P's first is out (from
         P, or passed on by RLD), and RLD's first step, behind its import and
@@ -288,9 +364,10 @@ class HandoffRules:
         RLD's first, 16.5x the median gap)."""
         n = len(self.tokens)
         # (RLD's token n held back by pacing is here already: no reason to wait)
-        waits = n not in self.md_ahead or (n == self.overlap_from and self.stop_at is None and self.md_end is None
-                                           and not self.queued and self.rld_made > 1
-                                           and len(self.md_ahead) < self.cfg.overlap_max_ahead)
+        waits = n not in self.md_ahead or (n == self.md_first_ahead and self.stop_at is None
+                                           and self.md_end is None and not self.queued and self.rld_made > 1
+                                           and len(self.md_ahead) < self.cfg.overlap_max_ahead
+                                           and self._rld_due_soon(now))
         if waits and not force:
             return
         self.session.on_overlap_switch(now, n)
@@ -304,6 +381,23 @@ class HandoffRules:
         self.md_ahead.clear()
         if self.md_end is not None and self.done is None:
             self._finish(self.md_end)
+
+    def _rld_due_soon(self, now: float) -> bool:
+        """RLD's next token is due (its last one's time plus its pace on this
+        request) before MD, at its own pace, would be `overlap_max_ahead`
+        tokens ahead: waiting for it moves the switch to just after one of
+        RLD's tokens at no cost to MD's next. A slower RLD's is not (beside
+        P's cold prefill, 0.25-0.3 s a token against MD's 0.07): waiting
+        would hold MD's tokens back to the bound and then release them a
+        whole RLD gap after the user's last token, where switching at once
+        leaves a gap of at most RLD's pace less (bound - 1) of MD's. Unknown
+        paces wait, as before (the bound caps it)."""
+        rld = self.rld_pace_s()
+        md = self.md_pace_s() or (self.md_view.step_time_s if self.md_view is not None else None)
+        if not rld or not md or not self.rld_seen:
+            return True
+        due = self.rld_seen[-1][0] + rld
+        return due <= now + (self.cfg.overlap_max_ahead - len(self.md_ahead)) * md
 
     def _overlap_diverged(self, now: float, index: int) -> None:
         """MD's token at `index` differs from the one the user has (the two
@@ -321,7 +415,7 @@ class HandoffRules:
     def _end_overlap(self, now: float) -> None:
         """MD will not take the stream: nothing of its overlap is kept; RLD's
         tokens a paced handoff held back go out."""
-        self.overlap_from, self.md_end = None, None
+        self.overlap_from, self.md_end, self.md_first_ahead = None, None, None
         self.md_ahead.clear()
         self._flush_queued(now)
 

@@ -118,6 +118,10 @@ class KvReady:
     rld: InstanceView | None = None
     payload_bytes: int | None = None
     md: InstanceView | None = None
+    # MD took RLD's tokens sent ahead (`ExtendAhead`) with the KV and decodes
+    # on from them: the output tokens it held then (P's first and RLD's);
+    # None: MD holds the request for the handoff's batches.
+    md_have: int | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +215,18 @@ class ExtendMd:
 
 
 @dataclass(frozen=True)
+class ExtendAhead:
+    """RLD's tokens from index `start` on, sent to MD while the prompt's KV
+    still crosses the WAN: MD computes them with the prompt's tail in its
+    first step once the KV lands and decodes on from there (its kv_ready
+    says how many it took, `KvReady.md_have`); one that comes after the
+    landing is ignored there."""
+    instance_id: str
+    start: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class PauseRld:
     """Stop RLD's decode of this request, keeping its KV. `at`: once RLD has
     made `at` output tokens (at once if it already has): sent when a final
@@ -284,5 +300,5 @@ class Finish:
     error: str | None = None
 
 
-Command = (StartPrefill | OpenDecode | StartTransfer | CancelTransfer | ExtendMd | PauseRld | ResumeRld
+Command = (StartPrefill | OpenDecode | StartTransfer | CancelTransfer | ExtendMd | ExtendAhead | PauseRld | ResumeRld
            | Abort | CloseStream | ReleaseP | WanFailed | Emit | EmitRun | Note | Finish)

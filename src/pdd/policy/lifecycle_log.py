@@ -3,7 +3,7 @@
 `entry(cmd)` names a `RequestLifecycle` command without the detail that
 depends on timing alone (which token, how many ids a batch carries):
 "open:rld", "extend", "extend_final", "pause:rld", "emit:md",
-"note:md_ready:catch_up", "finish:relay:length". `decision_log` keeps, in
+"note:md_ready:catch_up", "extend_ahead", "finish:relay:length". `decision_log` keeps, in
 order, every word but the repeats of a stream (tokens, catch-up batches:
 their number is the clock's, not a decision) and P's release (it follows
 whichever transfer report comes last). Two drivers of the lifecycle (the
@@ -43,6 +43,8 @@ def entry(cmd: io.Command) -> str:
         return note_word(cmd.event, cmd.fields)
     if isinstance(cmd, io.ExtendMd):
         return "extend_final" if cmd.final else "extend"
+    if isinstance(cmd, io.ExtendAhead):
+        return "extend_ahead"
     if isinstance(cmd, io.Finish):
         return f"finish:{cmd.outcome.value}:{cmd.reason.value}"
     if isinstance(cmd, (io.OpenDecode, io.CloseStream)):

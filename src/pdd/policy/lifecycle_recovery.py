@@ -85,7 +85,7 @@ class RecoveryRules:
         self.md_id = md
         if self.landing_after == md:
             self.landing_after = None
-        self.md_live, self.md_ready_s, self.md_upto = True, None, 1
+        self.md_live, self.md_ready_s, self.md_upto, self.md_runs_from = True, None, 1, None
         self.cancelled.discard(md)       # a fresh copy (on_rld_lost waited for the old one's end)
         self._note("rld_lost_resend", md=md)
         self._open(Leg.MD, md, hold=True)
@@ -158,6 +158,13 @@ class RecoveryRules:
         self.takeover_pending = False
         if len(self.tokens) >= self.req.max_tokens:
             self._finish(FinishReason.LENGTH)
+            return
+        if self.md_runs_from is not None:
+            # MD decodes on from RLD's tokens it took ahead of its KV: the user's
+            # stream goes on with its tokens past what the user has (those
+            # before are checked against the user's, `_already_out`).
+            self.md_extend_s = now
+            self._note("md_takeover", at=len(self.tokens), extend_tokens=0)
             return
         toks = self.tokens[self.md_upto:]
         self.md_upto = len(self.tokens)

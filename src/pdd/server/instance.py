@@ -330,17 +330,24 @@ class InstanceServer:
                     msg = str(e) or f"KV did not arrive within {timeout_s:.1f} s"
                     await out.send({"event": "finished", "reason": "error", "error": msg, "ts": time.time()})
                     return out.resp
-                self.arrivals.consumed(rid)
+                self.arrivals.consumed(rid)     # no more tokens ahead are taken from here on
                 first = int(status.meta.get("first_token"))
+                outputs = [first] + arrival.ahead
+                if len(outputs) >= sampling.max_tokens:
+                    outputs = [first]           # nothing left to make after them: held as before
+                run_on = hold and len(outputs) > 1
                 await out.send({"event": "kv_ready", "ts": time.time(), "payload_bytes": status.payload_bytes,
                                 "blocks": status.num_blocks_sent, "skipped": status.num_blocks_skipped,
-                                "elapsed_s": status.elapsed_s})
+                                "elapsed_s": status.elapsed_s} | ({"have": len(outputs)} if run_on else {}))
                 if not hold:
                     # P's first token is final: stream it now rather than after the
                     # engine's next step boundary (the submit below waits for one).
                     await out.send({"event": "token", "i": 0, "t": first, "ts": time.time()})
                 try:
-                    q = await self.loop.submit(EngineRequest(rid, prompt, sampling, output_ids=[first], hold=hold))
+                    # The relay's tokens sent ahead are computed with the prompt's
+                    # tail in one step, and the request decodes on from them.
+                    q = await self.loop.submit(EngineRequest(rid, prompt, sampling, output_ids=outputs,
+                                                             hold=hold and not run_on))
                 except InvalidRequestError as e:
                     await out.send({"event": "finished", "reason": "error", "error": str(e), "ts": time.time()})
                     return out.resp
@@ -350,6 +357,19 @@ class InstanceServer:
             if not streamed:
                 self._abandon_decode(rid)
         return out.resp
+
+    def _extend_ahead(self, rid: str, start, ids: list[int]) -> web.Response:
+        """The relay's tokens sent ahead of the request's KV (`ExtendAhead`):
+        kept for its first step if its decode call waits for the KV here;
+        answered with the output tokens held then (`have`), or null once the
+        KV has landed (the request decodes on its own: nothing is taken)."""
+        if not isinstance(start, int) or isinstance(start, bool) or start < 1:
+            return bad_request(f"start must be a positive integer, got {start!r}")
+        vocab = self.engine.model_cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            return bad_request(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        return web.json_response({"ok": True, "have": self.arrivals.add_ahead(rid, start, ids)})
 
     def _abandon_decode(self, rid: str) -> None:
         """A decode call ends before its request streams: an error, or its
@@ -370,6 +390,8 @@ class InstanceServer:
         body = await request.json()
         rid, final = str(body.get("request_id")), bool(body.get("final", True))
         ids = [int(t) for t in body.get("token_ids", [])]
+        if body.get("ahead"):
+            return self._extend_ahead(rid, body.get("start"), ids)
         hold_at = body.get("hold_at")
         if hold_at is not None and (not isinstance(hold_at, int) or isinstance(hold_at, bool) or hold_at < 0):
             return bad_request(f"hold_at must be a non-negative integer, got {hold_at!r}")

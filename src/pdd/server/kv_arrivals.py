@@ -40,6 +40,7 @@ class KVArrival:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
     claimed: bool = False         # a decode call waits for it (under its own timeout: never expired)
+    ahead: list = field(default_factory=list)    # the relay's tokens from index 1, sent ahead (`take_ahead`)
 
 
 class KVArrivals:
@@ -68,6 +69,19 @@ class KVArrivals:
         if a is None:
             a = self.by_id[rid] = KVArrival(asyncio.get_running_loop().create_future())
         return a
+
+    def add_ahead(self, rid: str, start: int, token_ids: list[int]) -> int | None:
+        """The relay's tokens from output index `start` on, for a decode call
+        that waits for its KV: kept for the request's first step. The output
+        tokens held then (P's first, then these), or None when no decode call
+        waits here (not come yet, or its KV landed and it runs: nothing is
+        taken). A `start` past what is held takes nothing."""
+        a = self.by_id.get(rid)
+        if a is None or not a.claimed:
+            return None
+        if 1 <= start <= 1 + len(a.ahead):
+            a.ahead[start - 1:] = token_ids
+        return 1 + len(a.ahead)
 
     def consumed(self, rid: str) -> None:
         """The decode call took the KV: the request's pins are its own now."""

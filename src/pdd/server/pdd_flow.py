@@ -60,6 +60,9 @@ class PddRun:
         self.lanes: dict[str, asyncio.Task] = {}     # instance -> its last control call (in order)
         self.log = DecisionLog()                     # the commands, for the trace ("lifecycle")
         self.p_counted: str | None = None            # P counts this request as its own until it prefilled it
+        self.ahead_ids: list[int] = []               # the user's tokens from index 1 on, sent to MD ahead
+        self.ahead_taken = 1                         # ... of which MD holds this many (with P's first)
+        self.ahead_task: asyncio.Task | None = None
 
     def facts(self) -> RequestFacts:
         ctx = self.ctx
@@ -203,8 +206,10 @@ class PddRun:
             return None
         if kind == "kv_ready":
             md = self.members.get(io.Leg.MD)
+            have = ev.get("have")
             return io.KvReady(now, self.rld_view(), ev.get("payload_bytes"),
-                              self.cluster._view(md) if md is not None else None)
+                              self.cluster._view(md) if md is not None else None,
+                              have if isinstance(have, int) and have > 1 else None)
         if kind == "extended":
             return io.Extended(now, ev["upto"])
         return None
@@ -253,10 +258,44 @@ class PddRun:
         for cmd in cmds if not logged else ():
             self.log.add(cmd)
         for cmd in cmds:
-            if _laned(cmd):
+            if isinstance(cmd, io.ExtendAhead):
+                self.send_ahead(cmd)
+            elif _laned(cmd):
                 self.in_lane(cmd)
             else:
                 await self.carry_out(cmd)
+
+    def send_ahead(self, cmd: io.ExtendAhead) -> None:
+        """RLD's tokens for MD ahead of its KV: one call to MD at a time, each
+        with every token MD has not taken yet, off the fact loop (RLD's tokens
+        come every few tens of ms, a call takes a WAN round trip). MD's answer
+        says what it holds; once its KV has landed it takes no more, and its
+        kv_ready says what it took (`KvReady.md_have`). Best effort: a token
+        MD lacks is one it decodes itself and the router checks."""
+        del self.ahead_ids[cmd.start - 1:]
+        self.ahead_ids.extend(cmd.token_ids)
+        if self.ahead_task is None or self.ahead_task.done():
+            t = asyncio.get_running_loop().create_task(self.ahead_calls(self.cluster.members[cmd.instance_id]))
+            self.ahead_task = t
+            self.background.add(t)
+            t.add_done_callback(self.background.discard)
+
+    async def ahead_calls(self, md: Member) -> None:
+        ctx = self.ctx
+        while self.ahead_taken < 1 + len(self.ahead_ids) and self.lc.md_ready_s is None:
+            start = self.ahead_taken
+            try:
+                r = await self.client.post(md.http.url, "/internal/extend",
+                                           {"request_id": ctx.request_id, "ahead": True, "start": start,
+                                            "token_ids": self.ahead_ids[start - 1:]},
+                                           timeout_s=min(10.0, ctx.remaining_s()))
+            except Exception as e:  # noqa: BLE001 - best effort (above)
+                ctx.trace.event("control_error", instance=md.spec.name, path="/internal/extend", error=repr(e))
+                return
+            have = r.get("have")
+            if not isinstance(have, int) or have <= start:
+                return          # landed, gone, or not waiting yet: the next token tries again
+            self.ahead_taken = have
 
     def in_lane(self, cmd) -> None:
         """An extend, pause, resume or background abort goes out behind the calls

@@ -209,6 +209,14 @@ class ExtendReachesMd(_ToInstance):
     end: int
 
 
+@dataclass(frozen=True, slots=True)
+class AheadReachesMd(_ToInstance):
+    """RLD's tokens [start, upto) sent ahead of the prompt's KV reached MD
+    (`to_id`): kept for its first step if its KV has not landed yet."""
+    start: int
+    upto: int
+
+
 class EventLog:
     """One JSON line per processed event: `{"t", "kind", "type", fields...}`,
     plus `"mode"` when given (several modes share one file). Times are

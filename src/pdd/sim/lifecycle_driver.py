@@ -24,7 +24,8 @@ from pdd.policy import lifecycle_io as io
 from pdd.policy.lifecycle import RequestLifecycle
 from pdd.policy.views import Role
 from pdd.sim.events import (
-    ExtendedReachesRld, ExtendReachesMd, LifecycleWake, MdReadyReachesRld, MdTokensReachRouter, StepEnd,
+    AheadReachesMd, ExtendedReachesRld, ExtendReachesMd, LifecycleWake, MdReadyReachesRld, MdTokensReachRouter,
+    StepEnd,
 )
 from pdd.sim.instance import Job, JobKind, Seq, SimInstance
 from pdd.sim.loop import Event
@@ -45,6 +46,7 @@ class LifecycleDriverMixin:
         for record_type in (MdReadyReachesRld, ExtendedReachesRld):
             self.loop.on(record_type, self._on_reaches_rld)
         self.loop.on(ExtendReachesMd, self._on_extend_reaches_md)
+        self.loop.on(AheadReachesMd, self._on_ahead_reaches_md)
         self.loop.on(LifecycleWake, self._on_wake)
         self.loop.on(MdTokensReachRouter, self._on_md_tokens_reach_router)
 
@@ -152,11 +154,19 @@ class LifecycleDriverMixin:
         if req.lc.done is not None or req.legs.get(leg, (None,))[0] != dst.instance_id:
             return evs
         hold = req.legs[leg][1]
+        # MD took RLD's tokens sent ahead: it computes them with the prompt's
+        # tail in its first step and decodes on (as the decode server does
+        # unless they leave nothing to make).
+        ahead = leg is io.Leg.MD and hold and 1 < req.md_have < min(s.max_tokens, s.output_tokens)
         seq = None
         if hold or s.output_tokens > 1:          # a one-token answer needs no decode step
             shared = dst.pin_prefix(s.block_ids)      # imported blocks, pinned for the request
             blocks = dst.blocks_for(s.prompt_tokens + s.max_tokens) - len(shared)
-            if hold:
+            if ahead:
+                seq = Seq(req, s.prompt_tokens + req.md_have, blocks, relay=False, shared=shared)
+                seq.next_index = req.md_context = req.md_have
+                seq.first = self._first_step_tokens(s.prompt_tokens) + req.md_have - 1
+            elif hold:
                 seq = Seq(req, s.prompt_tokens, blocks, relay=False, decoding=False, shared=shared)
                 seq.next_index = 0
             else:
@@ -165,7 +175,10 @@ class LifecycleDriverMixin:
                 seq.first = self._first_step_tokens(s.prompt_tokens)
             # Registered before token 0 goes out: the handoff may pause it at once.
             req.seqs[leg] = (dst.instance_id, seq)
-        if not hold:
+        if ahead:
+            rld = self.instances[req.lc.rld_id].view() if req.lc.rld_id in self.instances else None
+            evs += self._feed(req, io.KvReady(now, rld, md=dst.view(), md_have=req.md_have))
+        elif not hold:
             evs += self._feed(req, io.KvReady(now)) if leg is io.Leg.MD else []
             evs += self._feed(req, io.DecodeTokens(now, leg, 0, (0,), dst.view() if leg is io.Leg.RLD else None))
             if seq is None:
@@ -273,6 +286,8 @@ class LifecycleDriverMixin:
                 evs += self._start_prefill(req, self.instances[cmd.p_id], matched, now)
             elif isinstance(cmd, io.OpenDecode):
                 req.legs[cmd.leg] = (cmd.instance_id, cmd.hold)
+                if cmd.leg is io.Leg.MD:
+                    req.md_have = 1            # a fresh decode call: nothing sent ahead to it yet
             elif isinstance(cmd, (io.CloseStream, io.Abort)):
                 evs += self._close(req, cmd.leg, now)
             elif isinstance(cmd, io.StartTransfer):
@@ -281,6 +296,11 @@ class LifecycleDriverMixin:
                 evs += self._cancel_to(req, cmd.instance_id, now)
             elif isinstance(cmd, io.ExtendMd):
                 evs += self._extend(req, cmd)
+            elif isinstance(cmd, io.ExtendAhead):
+                md = self.instances[cmd.instance_id]
+                rld = self.instances[req.lc.rld_id or req.p_id]
+                msg = AheadReachesMd(md.instance_id, req.spec.request_id, cmd.start, cmd.start + len(cmd.token_ids))
+                evs.append(self._later(self._one_way(rld, md), msg))
             elif isinstance(cmd, (io.PauseRld, io.ResumeRld)):
                 evs += self._pause(req, cmd, now)
             elif isinstance(cmd, io.ReleaseP):
@@ -343,6 +363,16 @@ class LifecycleDriverMixin:
         req.md_context += n
         rld_id = req.lc.rld_id or req.p_id
         return [self._later(self._one_way(self.instances[rld_id], md), msg)]
+
+    def _on_ahead_reaches_md(self, ev: Event) -> list[Event]:
+        """Kept while MD's decode waits for its KV (the server's `add_ahead`);
+        once the KV landed MD takes no more."""
+        msg = ev.record
+        req = self.by_id.get(msg.request_id)
+        if (req is not None and req.lc is not None and req.lc.done is None and io.Leg.MD not in req.seqs
+                and req.legs.get(io.Leg.MD, (None,))[0] == msg.to_id and msg.start <= req.md_have):
+            req.md_have = max(req.md_have, msg.upto)
+        return []
 
     def _on_extend_reaches_md(self, ev: Event) -> list[Event]:
         msg, t = ev.record, ev.time

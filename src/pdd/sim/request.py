@@ -58,7 +58,7 @@ class SimRequest:
                  "error", "p_id", "lc", "targets", "legs", "seqs", "md_context",
                  "p_blocks", "p_shared", "warm_blocks", "last_delay_s", "log", "prefill_done_s", "streamed",
                  "kv_made_by_s", "p_first", "md_made", "last_token_s", "held_gap_s", "wake_at", "md_travels",
-                 "md_in_flight")
+                 "md_in_flight", "md_have")
 
     def __init__(self, spec: RequestSpec, stride: int = 1) -> None:
         self.spec = spec
@@ -84,6 +84,7 @@ class SimRequest:
         self.legs: dict = {}           # Leg -> (instance id, hold) of each open decode
         self.seqs: dict = {}           # Leg -> Seq on that instance, once its KV landed
         self.md_context = 0            # output tokens MD holds the KV of (extends so far)
+        self.md_have = 1               # output tokens MD takes at its KV's landing (P's first, RLD's sent ahead)
         self.p_blocks = 0
         self.p_shared: list[int] = []
         self.warm_blocks = 0          # shared prefix blocks pushed to MD's cache (filtered request)
