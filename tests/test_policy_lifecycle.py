@@ -427,7 +427,10 @@ def test_paced_handoff_stretches_rlds_gaps_until_mds_tokens_catch_up():
     lc, out = paced()
     assert lc.session.mode.value == "paced" and of(out, PauseRld) == []
     assert of(out, ExtendMd) == [ExtendMd("m0", tuple(ref(i) for i in range(1, 6)), True)]
-    assert lc.pace_gap_s == pytest.approx(0.06) and Note("paced", {"gap_s": 0.06}) in out
+    # MD's first token due two of its steps after the batch (1.29 s), 0.05 s
+    # after the user's next would go out unstretched: spread over 8 tokens.
+    assert lc.pace_gap_s == pytest.approx(0.04 + 0.05 / 8)
+    assert Note("paced", {"gap_s": round(lc.pace_gap_s, 4)}) in out
     rld = [DecodeToken(1.24 + 0.04 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(12)]
     # MD's own tokens from 6 on, 150 ms behind RLD's (round trip, extend), 40 ms apart.
     md = [DecodeToken(1.39 + 0.04 * k, Leg.MD, 6 + k, ref(6 + k)) for k in range(34)]
@@ -439,20 +442,31 @@ def test_paced_handoff_stretches_rlds_gaps_until_mds_tokens_catch_up():
     times = [1.20] + [t for t, _ in shown]
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert max(gaps[:switch + 1]) <= 0.06 + 1e-9          # no stall at the switch
-    assert 6 <= shown[switch][1].index <= 14              # MD caught up within a few tokens
+    # MD caught up before the lag bound (RLD never paused): its lag, 0.15 s
+    # where two of its steps were expected, spread over the tokens left
+    assert 6 <= shown[switch][1].index < 6 + 2 * PACED_CFG.overlap_max_lag and lc.session.state.value == "done"
     assert lc.rld_emitted == shown[switch][1].index and lc.stop_at == shown[switch][1].index
 
 
-def test_paced_gap_follows_mds_own_pace():
-    """Once two of MD's own tokens came, the stretch is of MD's time per
-    token on this request (beside RLD on one core MD is slower than its
-    reported step), slower or faster than RLD's."""
+def test_paced_gap_follows_mds_own_pace_and_lag():
+    """Once two of MD's own tokens came, the gap is MD's time per token on
+    this request (beside RLD on one core MD is slower than its reported
+    step), slower or faster than RLD's, plus its lag behind the user's
+    stream spread over what is left of overlap_max_lag tokens: at least a
+    quarter of the ratio's stretch, at most the ratio's."""
     rld = [DecodeToken(1.24 + 0.04 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(3)]
     for md_gap in (0.05, 0.03):
         lc, _ = paced()
         feed(lc, rld + [DecodeToken(1.30, Leg.MD, 6, ref(6)), DecodeToken(1.30 + md_gap, Leg.MD, 7, ref(7))])
-        assert lc.owner is Leg.RLD and len(lc.tokens) == 8        # the user is ahead of MD still
-        assert lc.md_pace_s() == pytest.approx(md_gap) and lc.pace_gap_s == pytest.approx(1.5 * md_gap)
+        nxt = len(lc.tokens)
+        assert lc.owner is Leg.RLD and nxt >= 8                   # the user is ahead of MD still
+        assert lc.md_pace_s() == pytest.approx(md_gap)
+        # MD's token `nxt` due (nxt - 7) of its gaps after its 7th; the user's
+        # unstretched a gap after the last one out; 8 - (nxt - 6) tokens left.
+        lag = 1.30 + md_gap + (nxt - 7) * md_gap - (lc.out_s + md_gap)
+        expect = md_gap + max(0.125 * md_gap, lag / (8 - (nxt - 6)))
+        assert lc.pace_gap_s == pytest.approx(min(expect, 1.5 * md_gap))
+        assert 1.125 * md_gap - 1e-9 <= lc.pace_gap_s <= 1.5 * md_gap + 1e-9
 
 
 def test_paced_md_slower_than_rld_catches_up_without_a_stall():
@@ -483,7 +497,7 @@ def test_paced_tokens_held_back_go_out_when_rld_ends_the_request_first():
 
 def test_md_failing_while_paced_lets_rlds_held_tokens_out_and_stops_pacing():
     lc, _ = paced()
-    rld_early = [DecodeToken(1.24 + 0.005 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(3)]
+    rld_early = [DecodeToken(1.211 + 0.005 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(3)]
     feed(lc, rld_early)
     assert len(lc.tokens) == 6 and len(lc.queued) == 3
     out = lc.handle(DecodeEnded(1.27, Leg.MD, EndReason.ERROR, "MD died"))
@@ -495,8 +509,8 @@ def test_md_failing_while_paced_lets_rlds_held_tokens_out_and_stops_pacing():
 
 def test_rld_lost_while_paced_md_takes_over_after_rlds_held_tokens():
     lc, _ = paced()
-    feed(lc, [DecodeToken(1.24 + 0.005 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(3)])
-    out = lc.handle(PeerGone(1.3, Leg.RLD, "silent", healthy("m0")))
+    feed(lc, [DecodeToken(1.211 + 0.005 * k, Leg.RLD, 6 + k, ref(6 + k), rld_view()) for k in range(3)])
+    out = lc.handle(PeerGone(1.23, Leg.RLD, "silent", healthy("m0")))
     assert [c.index for c in of(out, Emit)] == [6, 7, 8] and lc.owner is Leg.MD
     out = md_tokens(lc, 6, 40) + lc.handle(DecodeEnded(3.0, Leg.MD, EndReason.LENGTH))
     assert lc.tokens == [ref(i) for i in range(40)] and out[-1].reason is FinishReason.LENGTH

@@ -26,13 +26,15 @@ def start(tmp_path_factory, smollm2_dir, name: str, policy: dict, wan_mbps: floa
     return Deployment.start(path, run_dir=d / "run", timeout_s=300)
 
 
-@pytest.fixture(scope="module", params=["one_shot", "catch_up"])
+@pytest.fixture(scope="module", params=["one_shot", "catch_up", "auto"])
 def pdd(request, tmp_path_factory, smollm2_dir):
     # direct_max_wan_s: a high-hit turn's one or two blocks go direct even
     # when the shared machine makes the line's fixed cost look high; a cold
     # 400-token prompt (~3.7 s on the line) still relays.
     # handoff_pace_ratio 0: the paused one-shot and catch-up these test (a
-    # paced final batch leaves RLD streaming: tests/test_pdd.py).
+    # paced final batch leaves RLD streaming: tests/test_pdd.py). "auto":
+    # RLD's tokens go to MD ahead of its KV and vLLM computes them in the
+    # prompt's pass at the landing, then decodes on (`extend_ahead`).
     policy = {"handoff_mode": request.param, "catchup_threshold_tokens": 8, "catchup_final_max_tokens": 2,
               "enable_filter": False, "direct_max_wan_s": 2.0, "handoff_pace_ratio": 0}
     dep = start(tmp_path_factory, smollm2_dir, f"vllm-pdd-{request.param}", policy, wan_mbps=40.0)
@@ -51,7 +53,13 @@ def test_relay_hands_over_to_md_by_extend_with_no_lost_or_repeated_token(pdd, gr
     src = tr["token_sources"]
     assert len(src) == 120 and src[0] == "rld" and src[-1] == "md", src
     assert src == sorted(src, key=lambda s: s != "rld"), "RLD tokens first, then MD's, no interleaving"
-    assert tr["handoff_mode"] == mode
+    if mode == "auto":
+        # MD took RLD's tokens sent ahead at the landing: no batch after its kv_ready.
+        log = next(e["log"] for e in tr["events"] if e["name"] == "lifecycle")
+        md_ready = next(e for e in tr["events"] if e["name"] == "md_ready")
+        assert md_ready.get("ahead", 0) > 1 and "extend_ahead" in log and "extend_final" not in log, log
+    else:
+        assert tr["handoff_mode"] == mode
     if mode == "one_shot":
         assert tr["handoff_batches"] == 1
     assert tr["wan_bytes"] == 400 // 32 * 32 * KV_BYTES_PER_TOKEN      # every full block crossed once
@@ -94,7 +102,7 @@ def test_a_turn_that_ended_on_rld_leaves_its_kv_on_md_for_the_next(pdd, greedy, 
     cache (absorbed through the connector), so the next turn moves only its
     new blocks over the WAN."""
     dep, mode = pdd
-    if mode == "catch_up":
+    if mode != "one_shot":
         pytest.skip("no handoff happens: the mode plays no part")
     first = ids(8, 400)                      # 12 blocks, ~3.7 s on the line; RLD answers 4 tokens long before
     loaded0 = stats(dep, "md0")["kv_loaded_blocks"]

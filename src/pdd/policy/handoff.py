@@ -330,8 +330,18 @@ class HandoffSession:
         final batch would stall the user (MD's extend, a WAN round trip) to hand
         over tokens RLD makes in about as long with no stall; RLD ends the request
         instead. Measured: a 41-token answer handed over at 40, its last token 0.27 s
-        (3.4x the median gap) after the one before (`results/wan-bound-26`)."""
-        if self.max_tokens is None or self.max_tokens - num_generated > self.cfg.catchup_final_max_tokens:
+        (3.4x the median gap) after the one before (`results/wan-bound-26`).
+        A paced session (MD not faster than RLD) takes about `overlap_max_lag`
+        of the user's tokens to catch MD up, each stretched: with at most twice
+        that left RLD ends the request too. In `results/ab-s35-ahead` (s0006-t00)
+        MD raced from token 52 of 61: the user's tokens went out 0.18 s apart
+        (RLD made them every 0.06 s) until RLD ended the request first and the
+        rest came at once."""
+        left = None if self.max_tokens is None else self.max_tokens - num_generated
+        limit = self.cfg.catchup_final_max_tokens
+        if self.mode is HandoffMode.PACED:
+            limit = max(limit, 2 * self.cfg.overlap_max_lag)
+        if left is None or left > limit:
             return False
         self.state = HandoffState.RLD_FINISHES
         return True

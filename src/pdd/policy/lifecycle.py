@@ -124,6 +124,7 @@ class RequestLifecycle(HandoffRules, RecoveryRules):
         self.md_end: FinishReason | None = None    # overlap: MD ended before owning the stream
         self.rld_seen: list[tuple[float, int]] = []   # (when, the user's tokens) at RLD's last facts: its pace
         self.pace_gap_s: float | None = None       # paced handoff: the least gap between the user's tokens
+        self.pace_from: int | None = None          # paced: the user's tokens when pacing began
         self.queued: list[tuple[int, float]] = []  # paced: RLD's (token, when it came) not yet out
         self.out_s: float | None = None            # when the user's last token went out
         self.md_seen: list[tuple[float, int]] = []    # (when, index) of MD's own tokens while racing RLD

@@ -181,7 +181,7 @@ class HandoffRules:
         self.rld_hold_at = None
         self.handoff_batches += 1       # what MD took ahead: the final batch, extended at the landing
         if self.session.paced:
-            self.pace_gap_s = self._pace_gap()
+            self.pace_gap_s = self._pace_gap(now)
             self._note("paced", gap_s=round(self.pace_gap_s, 4))
         if chosen is HandoffMode.ONE_SHOT and self.rld_id is not None:
             self.stop_at = self.rld_made
@@ -200,7 +200,7 @@ class HandoffRules:
                     self.overlap_from = act.end      # MD's first token of its own
                     self.rld_hold_at = None
                     if self.session.paced:
-                        self.pace_gap_s = self._pace_gap()
+                        self.pace_gap_s = self._pace_gap(now)
                         self._note("paced", gap_s=round(self.pace_gap_s, 4))
                     return
                 if act.final:
@@ -247,31 +247,52 @@ class HandoffRules:
         return sum(t for t, _ in spans) / tokens if tokens else None
 
     # --- paced -------------------------------------------------------------------------
-    def _pace_gap(self) -> float:
-        """The least gap between the user's tokens while MD catches up:
-        `handoff_pace_ratio` of MD's pace, its time per token on this request
-        once two of its own tokens came (`md_pace_s`; its reported decode
-        step before; RLD's pace only while MD has neither): beside RLD on one
-        core MD runs at RLD's pace, and a stretch of its mean step alone
-        would never let it catch up. Gaps of ratio x MD's let MD's own
-        tokens, a round trip and an extend behind RLD's, gain ratio - 1 of
-        MD's gap a token, however RLD runs. Until session 34 an MD slower
-        than RLD was paced at RLD's faster gap, which it could not catch up
-        with: RLD paused at the lag bound and the user waited for MD over the
-        whole lag at once (`results/ab-s34-float`, s0008-t00: MD at 0.10 s a
-        token against RLD's 0.07, a 0.41 s stall, 4.4x the median gap),
-        where ratio x MD's gap (1.5x) for a few tokens is the stall's ceiling
-        the design asks for. While MD's pace is unknown (its first steps on
-        an instance that has reported none) the gap is RLD's own pace,
-        unstretched: a stretch of RLD's would hold a slow RLD's tokens
-        (0.24 s beside P) back to 0.36 s for an MD that turns out to make
-        its tokens at 0.065 s (the simulator's first relay of a run); MD's
-        first two tokens set the gap again."""
+    def _pace_gap(self, now: float) -> float:
+        """The least gap between the user's tokens while MD catches up: MD's
+        pace (`md_pace_s`, its time per token on this request once two of
+        its own tokens came; its reported decode step before) plus what MD
+        lags behind the user's stream spread over what is left of
+        `overlap_max_lag` of the user's tokens from the first one paced (so
+        that MD is level by then: a stretch of the lag over a fixed count
+        would shrink with it and never close it), at most
+        `handoff_pace_ratio` of MD's pace. MD's lag is when its token
+        for the user's next index should reach the router (after its last
+        one, at its pace; before its first, its landing's or extend's step,
+        taken as two of its steps) less when that token would go out
+        unstretched (the user's last token plus MD's pace). Recomputed at
+        every token of MD's, so the stretch shrinks as MD closes in.
+
+        Beside RLD on one core MD runs at RLD's pace, and a stretch of its
+        mean step alone would never let it catch up; a stretch of RLD's
+        faster gap neither, for an MD slower than RLD (`ab-s34-float`,
+        s0008-t00: RLD paused at the lag bound and the user waited out MD's
+        whole lag at once, 0.41 s, 4.4x the median gap). Until session 35 the
+        stretch was always the ratio (1.5x MD's pace): with MD's batch at
+        0.10 s a token, the user's tokens went out 0.15 s apart, 2.2-2.4x the
+        run's median gap, where MD lagged a token or two (`ab-s35-ahead`,
+        s0008-t00). While MD's pace is unknown (no token of its own, no step
+        reported) nothing is held back (0): a stretch of RLD's pace instead
+        held a slow RLD's tokens (0.24 s beside P) back to 0.36 s for an MD
+        that turned out to make its tokens at 0.065 s (the simulator's first
+        relay of a run)."""
         md = self.md_pace_s() or (self.md_view.step_time_s if self.md_view is not None else None)
-        if md and md > 0:
-            return self.cfg.handoff_pace_ratio * md
-        rld = self.rld_pace_s() or (self.rld_view.step_time_s if self.rld_view is not None else None)
-        return rld if rld and rld > 0 else self.cfg.handoff_pace_ratio * self.cfg.rld_tpot_prior_s
+        if not md or md <= 0:
+            return 0.0
+        nxt = len(self.tokens)
+        if self.md_seen:
+            t_last, last = self.md_seen[-1]
+            due = t_last + (nxt - last) * md
+        else:
+            due = now + 2 * md + (nxt - self.md_upto) * md
+        lag = due - ((self.out_s if self.out_s is not None else now) + md)
+        if self.pace_from is None:
+            self.pace_from = nxt
+        left = max(1, self.cfg.overlap_max_lag - (nxt - self.pace_from))
+        # At least a quarter of the ratio's stretch: MD level with the user's
+        # stream but a phase behind it (its token due as the user's goes out)
+        # gains that much a token, not nothing.
+        least = (self.cfg.handoff_pace_ratio - 1) * md / 4
+        return min(md + max(least, lag / left), self.cfg.handoff_pace_ratio * md)
 
     def md_pace_s(self) -> float | None:
         """MD's time per token over its own last tokens while it races RLD."""
@@ -316,8 +337,8 @@ class HandoffRules:
         waits. A paced handoff's gap follows MD's pace as measured."""
         self.md_seen.append((f.now, f.index))
         del self.md_seen[:-RLD_PACE_FACTS]
-        if self.pace_gap_s is not None and len(self.md_seen) >= 2:
-            self.pace_gap_s = self._pace_gap()
+        if self.pace_gap_s is not None:
+            self.pace_gap_s = self._pace_gap(f.now)
         if f.index < len(self.tokens):
             if self.tokens[f.index] != f.token:
                 self._overlap_diverged(f.now, f.index)
