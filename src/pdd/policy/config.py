@@ -160,6 +160,9 @@ class PolicyConfig:
     # a few tokens, instead of one gap of a round trip and two MD steps
     # (2.5-4x MD's gap at a 45 ms round trip, `wan-bound-59-96`). Above 1
     # (MD gains ratio - 1 of its step a token); 0: the final batch pauses RLD.
+    # Since session 35 the most the gap is stretched: it is MD's pace plus
+    # MD's lag spread over what is left of overlap_max_lag tokens, at least
+    # a quarter of the ratio's stretch (docs/DESIGN.md, "The paced handoff").
     handoff_pace_ratio: float = 1.5
     # RLD's tokens go to MD as they come while the prompt's KV crosses
     # (`ExtendAhead`): MD computes them with the prompt's tail in its first

@@ -339,8 +339,8 @@ class HandoffSession:
         rest came at once."""
         left = None if self.max_tokens is None else self.max_tokens - num_generated
         limit = self.cfg.catchup_final_max_tokens
-        if self.mode is HandoffMode.PACED:
-            limit = max(limit, 2 * self.cfg.overlap_max_lag)
+        if self.mode is HandoffMode.PACED and self.chosen is not HandoffMode.ONE_SHOT:
+            limit = max(limit, 2 * self.cfg.overlap_max_lag)      # (a busy RLD is paused, not paced)
         if left is None or left > limit:
             return False
         self.state = HandoffState.RLD_FINISHES

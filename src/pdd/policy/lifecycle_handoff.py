@@ -436,7 +436,7 @@ class HandoffRules:
     def _end_overlap(self, now: float) -> None:
         """MD will not take the stream: nothing of its overlap is kept; RLD's
         tokens a paced handoff held back go out."""
-        self.overlap_from, self.md_end, self.md_first_ahead = None, None, None
+        self.overlap_from, self.md_end, self.md_first_ahead, self.pace_from = None, None, None, None
         self.md_ahead.clear()
         self._flush_queued(now)
 

@@ -15,7 +15,8 @@ The cluster looks the objects up by id when it handles the record.
                     BeginArrives, HaveArrives (a transfer's handshake),
                     FlowTailArrives, CopyFailed, CancelTaken, LinkCut,
                     LinkRestored, MdReadyReachesRld, ExtendedReachesRld,
-                    ExtendReachesMd, LifecycleWake, MdTokensReachRouter
+                    ExtendReachesMd, AheadReachesMd, LifecycleWake,
+                    MdTokensReachRouter
     ARRIVAL         Arrival: a request reaches the router's policy
 
 `MdReadyReachesRld` and `ExtendedReachesRld` wait in the receiving
