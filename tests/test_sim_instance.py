@@ -184,8 +184,8 @@ def test_p_reports_its_prefill_rate_as_the_engine_does_tokens_over_time():
         walls.append(t - now)
         now = t
     assert len(walls) == 2
-    assert i.prefill_tokens_s == pytest.approx(1500 / sum(walls))
-    assert i.prefill_tokens_s != pytest.approx((1000 / walls[0] + 500 / walls[1]) / 2, rel=1e-3)
+    assert i.prefill.tokens_s == pytest.approx(1500 / sum(walls))
+    assert i.prefill.tokens_s != pytest.approx((1000 / walls[0] + 500 / walls[1]) / 2, rel=1e-3)
     # ... and its step and token costs as the router fits them from the engine's steps
     from pdd.policy.views import fit_prefill_cost, prefill_attention
     attn = [prefill_attention(0, 1000), prefill_attention(1000, 500)]

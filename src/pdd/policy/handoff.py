@@ -42,7 +42,7 @@ at `on_md_ready`, and RLD is *not* paused: it keeps streaming while MD
 extends and then decodes on its own. The lifecycle compares MD's tokens with
 the user's and moves the stream to MD once MD's tokens overtake RLD's
 (`on_overlap_switch`); RLD's tokens were the user's until then, so the
-handoff adds no stall of its own (`lifecycle_handoff.py`).
+handoff adds no stall of its own (`lifecycle_race.py`).
 Paced (MD not clearly faster, RLD has room; `handoff_pace_ratio` > 0): as
 the overlap, one final batch that does not pause RLD, but MD, a round trip
 and an extend behind RLD at about RLD's pace, would never overtake it: the

@@ -31,7 +31,8 @@ RLD, release P, emit a token, finish). No clock, no I/O: the router's
       user has (P re-sends the KV first when MD had no copy), or fail
     the user's stream: every token index exactly once, in order (Emit)
 
-MD's side and the handoff are in `lifecycle_handoff.py`, failures
+MD's side and the handoff are in `lifecycle_handoff.py`, MD racing RLD
+(overlap, paced) in `lifecycle_race.py`, failures
 (failover, RLD / MD / WAN lost) in `lifecycle_recovery.py`, the facts and
 commands in `lifecycle_io.py`. Tested in process, event
 orders included (tests/test_policy_lifecycle*.py).
@@ -50,6 +51,7 @@ from pdd.policy.lifecycle_io import (
     WanFailed,
 )
 from pdd.policy.lifecycle_handoff import HandoffRules
+from pdd.policy.lifecycle_race import RaceRules
 from pdd.policy.lifecycle_recovery import RecoveryRules, _Failed, pick_spare
 from pdd.policy.pipeline import (
     Pipeline, PipelineDecision, cancel_wan, copy_yields_line, keep_wan_copy, note_decision,
@@ -64,7 +66,7 @@ def remaining_wan_s(d: PipelineDecision, wan_elapsed_s: float) -> float:
     return max(0.0, d.wait_s - max(wan_elapsed_s, 0.0))
 
 
-class RequestLifecycle(HandoffRules, RecoveryRules):
+class RequestLifecycle(HandoffRules, RaceRules, RecoveryRules):
     def __init__(self, req: RequestFacts, decision: PipelineDecision, cfg: PolicyConfig,
                  budgets: RelayBudgets | None = None, warm_blocks: int = 0,
                  copies: DispatchedCopies | None = None) -> None:

@@ -282,7 +282,7 @@ class PddRun:
 
     async def ahead_calls(self, md: Member) -> None:
         ctx = self.ctx
-        while self.ahead_taken < 1 + len(self.ahead_ids) and self.lc.md_ready_s is None:
+        while self.ahead_taken < 1 + len(self.ahead_ids) and self.lc.md_ready_s is None and self.lc.done is None:
             start = self.ahead_taken
             try:
                 r = await self.client.post(md.http.url, "/internal/extend",

@@ -28,11 +28,10 @@ from enum import Enum
 
 from pdd.policy import InstanceView, Role
 from pdd.policy.step_packing import STEP_OVERHEAD_TOKENS, joins_step
-from pdd.policy.views import (
-    PREFILL_FIT_STEPS, fit_prefill_cost, prefill_attention, prefill_compute_s, prefill_rate,
-)
+from pdd.policy.views import prefill_attention, prefill_compute_s
 from pdd.sim.calibration_steps import role_group
 from pdd.sim.cost_model import CostModel, chunk_pairs, row_bucket
+from pdd.sim.prefill_meter import PrefillMeter
 from pdd.sim.prefix_cache import PrefixCache
 from pdd.sim.request import SimRequest
 
@@ -137,12 +136,7 @@ class SimInstance:
         self.busy = False
         self.at_boundary = False             # between two steps, running what waited for it
         self.step_time_s: float | None = None
-        self.prefill_tokens_s: float | None = None   # measured as the engine does (stats)
-        self.prefill_cost: tuple[float, float, float] | None = None   # ... and fitted as the router does
-        # (prompt tokens, seconds, attention) of the last steps that computed
-        # prompts: the engine's stats (`prefill_tokens_s`) are their tokens
-        # over their time
-        self._prefill_steps: deque[tuple[int, float, float]] = deque(maxlen=PREFILL_FIT_STEPS)
+        self.prefill = PrefillMeter()          # its prompt steps, as the engine and the router read them
         self.streams_kv = False      # P sends blocks while it computes (set by the cluster)
         self.kv_layer_slices = 1     # ... and a chunk's KV layer by layer (the model's layers; set by the cluster)
         self.busy_s = 0.0
@@ -220,9 +214,9 @@ class SimInstance:
         """How long this P takes for `num_tokens` more prompt tokens past
         `start_tokens`, by what it has measured (as the router judges it from
         the view, `prefill_compute_s`)."""
-        step_s, token_s, attn_s = self.prefill_cost or (None, None, 0.0)
+        step_s, token_s, attn_s = self.prefill.cost or (None, None, 0.0)
         return prefill_compute_s(num_tokens, self.token_budget if self.streams_kv else 0, step_s, token_s,
-                                 self.prefill_tokens_s, attn_s=attn_s, start_tokens=start_tokens)
+                                 self.prefill.tokens_s, attn_s=attn_s, start_tokens=start_tokens)
 
     def view(self) -> InstanceView:
         started = sum(1 for j in self.jobs if j.started)
@@ -232,11 +226,11 @@ class SimInstance:
             num_waiting=len(self.waiting) + len(self.jobs) - started,
             max_batch=self.max_batch, kv_free_blocks=self.free_blocks,
             kv_total_blocks=self.kv_blocks, step_time_s=self.step_time_s,
-            prefill_tokens_s=self.prefill_tokens_s, chunk_tokens=self.token_budget if self.streams_kv else 0,
-            prefill_step_s=self.prefill_cost[0] if self.prefill_cost else None,
-            prefill_token_s=self.prefill_cost[1] if self.prefill_cost else None,
-            prefill_attn_s=self.prefill_cost[2] if self.prefill_cost else 0.0,
-            prefill_largest_step=max((s[0] for s in self._prefill_steps), default=0),
+            prefill_tokens_s=self.prefill.tokens_s, chunk_tokens=self.token_budget if self.streams_kv else 0,
+            prefill_step_s=self.prefill.cost[0] if self.prefill.cost else None,
+            prefill_token_s=self.prefill.cost[1] if self.prefill.cost else None,
+            prefill_attn_s=self.prefill.cost[2] if self.prefill.cost else 0.0,
+            prefill_largest_step=self.prefill.largest_step,
             kv_layer_slices=self.kv_layer_slices)
 
     # --- stepping ---------------------------------------------------------
@@ -429,11 +423,7 @@ class SimInstance:
             self.jobs = deque(j for j in self.jobs if id(j) not in done)
         n_pre = sum(c for _, c in self._chunks)
         if n_pre and now > self._start:
-            # Token-weighted, as the engine (a mean of per-step rates made P
-            # look ~15% slower than it reports).
-            self._prefill_steps.append((n_pre, now - self._start, attn))
-            self.prefill_tokens_s = prefill_rate(self._prefill_steps)
-            self.prefill_cost = fit_prefill_cost(list(self._prefill_steps))
+            self.prefill.record(n_pre, now - self._start, attn)
         if self._batch:
             if not self._chunks:
                 per = (now - self._start) / k
