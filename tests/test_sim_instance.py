@@ -189,9 +189,9 @@ def test_p_reports_its_prefill_rate_as_the_engine_does_tokens_over_time():
     # ... and its step and token costs as the router fits them from the engine's steps
     from pdd.policy.views import fit_prefill_cost, prefill_attention
     attn = [prefill_attention(0, 1000), prefill_attention(1000, 500)]
-    assert i.prefill_cost == pytest.approx(fit_prefill_cost([(1000, walls[0], attn[0]), (500, walls[1], attn[1])]))
+    assert i.prefill.cost == pytest.approx(fit_prefill_cost([(1000, walls[0], attn[0]), (500, walls[1], attn[1])]))
     v = i.view()
-    assert (v.prefill_step_s, v.prefill_token_s, v.prefill_attn_s) == pytest.approx(i.prefill_cost)
+    assert (v.prefill_step_s, v.prefill_token_s, v.prefill_attn_s) == pytest.approx(i.prefill.cost)
     assert i.prefill_time_s(1500) == pytest.approx(2 * v.prefill_step_s + 1500 * v.prefill_token_s
                                                    + v.prefill_attn_s * prefill_attention(0, 1500))
 

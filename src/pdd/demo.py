@@ -49,9 +49,12 @@ def _turn(client, model: str, router_url: str, messages: list[dict], max_tokens:
     print(f"  assistant: {text.strip()[:300]}")
     print(f"  pipeline={tr['pipeline']} ({tr['pipeline_reason']}); prompt={tr['prompt_tokens']} tokens, "
           f"cached={tr['cached_tokens']}; TTFT={tr['ttft_s']:.2f}s; e2e={time.time() - t0:.2f}s")
+    ahead = next((e.get("ahead") for e in tr.get("events", []) if e.get("name") == "md_ready"), None)
+    how = (f"MD took {ahead - 1} of RelayDecode's tokens ahead of its KV and raced it" if ahead
+           else f"in {tr['handoff_batches']} batch(es)")
     print(f"  tokens: {'the first from Prefill, then ' if n_p else ''}"
           f"{n_rld} from RelayDecode then {n_md} from MainDecode"
-          + (f"; handoff {tr['handoff_mode']} in {tr['handoff_batches']} batch(es), stream gap "
+          + (f"; handoff {tr['handoff_mode']} ({how}), stream gap "
              f"{tr['handoff_gap_s'] * 1e3:.0f} ms" if tr["handoff_gap_s"] is not None else "")
           + f"; WAN KV {tr['wan_bytes'] / 1e6:.1f} MB, local KV {tr['local_bytes'] / 1e6:.1f} MB")
     return text
