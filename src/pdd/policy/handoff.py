@@ -172,13 +172,14 @@ def choose_handoff_mode(num_eager_tokens: int, rld: InstanceView, cfg: PolicyCon
 
 class HandoffSession:
     def __init__(self, request_id: str, mode: HandoffMode, cfg: PolicyConfig,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, chosen: HandoffMode | None = None) -> None:
         """`max_tokens`: the request's output bound, when known: a final batch
         that would leave MD at most `catchup_final_max_tokens` of it is not sent
-        (`RLD_FINISHES`)."""
+        (`RLD_FINISHES`). `chosen`: the mode `choose_handoff_mode` chose, where
+        `mode` differs from it (MD running on from tokens taken ahead)."""
         self.request_id = request_id
         self.mode = mode
-        self.chosen = mode        # the mode `choose_handoff_mode` chose (`new_session`)
+        self.chosen = chosen or mode
         self.cfg = cfg
         self.max_tokens = max_tokens
         self.state = HandoffState.AWAITING_MD
@@ -383,6 +384,4 @@ def new_session(request_id: str, num_eager_tokens: int, rld: InstanceView,
     if md_runs_on:
         mode = HandoffMode.OVERLAP if chosen is HandoffMode.OVERLAP or cfg.handoff_pace_ratio <= 0 \
             else HandoffMode.PACED
-    session = HandoffSession(request_id, mode, cfg, max_tokens)
-    session.chosen = chosen
-    return session
+    return HandoffSession(request_id, mode, cfg, max_tokens, chosen)

@@ -123,12 +123,15 @@ class HandoffRules:
         self._finish(FinishReason(f.reason.value))
 
     # --- handoff ---------------------------------------------------------------------
-    def _new_session(self, now: float) -> None:
+    def _open_session(self, md_runs_on: bool = False) -> None:
         """The handoff's mode from RLD's load now (`new_session`); an RLD never
         reported counts as idle."""
         rld = self.rld_view or InstanceView(self.rld_id or "rld", Role.RELAY, "", 0, 0, 1, 0, 0)
         self.session = new_session(self.req.request_id, len(self.tokens), rld, self.cfg, self.req.max_tokens,
-                                   self.md_view, self.rld_pace_s())
+                                   self.md_view, self.rld_pace_s(), md_runs_on=md_runs_on)
+
+    def _new_session(self, now: float) -> None:
+        self._open_session()
         self._note("md_ready", eager_tokens=len(self.tokens), mode=self.session.mode.value)
         # tokens[0] is P's: RLD decodes from the second one on.
         self._do(now, self.session.on_md_ready(now, len(self.tokens), rld_decoding=len(self.tokens) > 1))
@@ -156,26 +159,18 @@ class HandoffRules:
         clearly faster than RLD, as `choose_handoff_mode` has it). Where the
         mode would have been one-shot (a busy RLD wants its slot back), RLD
         pauses now and MD's tokens catch the user's stream up."""
-        rld = self.rld_view or InstanceView(self.rld_id or "rld", Role.RELAY, "", 0, 0, 1, 0, 0)
-        self.session = new_session(self.req.request_id, len(self.tokens), rld, self.cfg, self.req.max_tokens,
-                                   self.md_view, self.rld_pace_s(), md_runs_on=True)
+        self._open_session(md_runs_on=True)
         races = self.session.on_md_running(now, self.md_runs_from, len(self.tokens))
         chosen = self.session.chosen
         self._note("md_ready", eager_tokens=len(self.tokens), mode=chosen.value, ahead=self.md_runs_from)
         if not races:
             # RLD ends the request within `catchup_final_max_tokens`: MD's decode
             # stops, its KV kept for its prefix cache (the next turn's).
-            self.md_live = False
             self._note("md_dropped", reason="request ends on RLD within catchup_final_max_tokens")
-            self._close(Leg.MD)
-            self._out.append(Abort(Leg.MD, self.md_id, keep_kv=True, background=True))
+            self._let_md_go_keeping_kv()
             return
-        self.overlap_from = self.md_runs_from
-        self.rld_hold_at = None
         self.handoff_batches += 1       # what MD took ahead: the final batch, extended at the landing
-        if self.session.paced:
-            self.pace_gap_s = self._pace_gap(now)
-            self._note("paced", gap_s=round(self.pace_gap_s, 4))
+        self._start_race(now, self.md_runs_from)
         if chosen is HandoffMode.ONE_SHOT and self.rld_id is not None:
             self.stop_at = self.rld_made
             self._note("overlap_pause", at=self.stop_at)
@@ -190,11 +185,7 @@ class HandoffRules:
                 self.md_extend_s = now
                 self._out.append(ExtendMd(self.md_id, tuple(toks), act.final))
                 if act.final and self.session.overlaps:
-                    self.overlap_from = act.end      # MD's first token of its own
-                    self.rld_hold_at = None
-                    if self.session.paced:
-                        self.pace_gap_s = self._pace_gap(now)
-                        self._note("paced", gap_s=round(self.pace_gap_s, 4))
+                    self._start_race(now, act.end)
                     return
                 if act.final:
                     # RLD's tokens past stop_at are held back from here on, so

@@ -53,6 +53,21 @@ class RaceRules:
         tokens = sum(n for _, n in spans)
         return sum(t for t, _ in spans) / tokens if tokens else None
 
+    def _md_pace_or_step(self) -> float | None:
+        """MD's pace on this request, or its reported decode step before two
+        of its own tokens came."""
+        return self.md_pace_s() or (self.md_view.step_time_s if self.md_view is not None else None)
+
+    def _start_race(self, now: float, overlap_from: int) -> None:
+        """MD decodes on its own from `overlap_from` (an overlapping final
+        batch is out, or MD took RLD's tokens ahead of its KV); RLD streams
+        on, its tokens paced where the session is."""
+        self.overlap_from = overlap_from
+        self.rld_hold_at = None
+        if self.session.paced:
+            self.pace_gap_s = self._pace_gap(now)
+            self._note("paced", gap_s=round(self.pace_gap_s, 4))
+
     # --- paced -------------------------------------------------------------------------
     def _pace_gap(self, now: float) -> float:
         """The least gap between the user's tokens while MD catches up: MD's
@@ -82,7 +97,7 @@ class RaceRules:
         held a slow RLD's tokens (0.24 s beside P) back to 0.36 s for an MD
         that turned out to make its tokens at 0.065 s (the simulator's first
         relay of a run)."""
-        md = self.md_pace_s() or (self.md_view.step_time_s if self.md_view is not None else None)
+        md = self._md_pace_or_step()
         if not md or md <= 0:
             return 0.0
         nxt = len(self.tokens)
@@ -221,7 +236,7 @@ class RaceRules:
         leaves a gap of at most RLD's pace less (bound - 1) of MD's. Unknown
         paces wait, as before (the bound caps it)."""
         rld = self.rld_pace_s()
-        md = self.md_pace_s() or (self.md_view.step_time_s if self.md_view is not None else None)
+        md = self._md_pace_or_step()
         if not rld or not md or not self.rld_seen:
             return True
         due = self.rld_seen[-1][0] + rld
@@ -235,10 +250,15 @@ class RaceRules:
         self._note("overlap_diverged", index=index)
         self.session.on_overlap_diverged(now)
         self._end_overlap(now)
+        self._let_md_go_keeping_kv()
+        self._resume_paused_rld(now)
+
+    def _let_md_go_keeping_kv(self) -> None:
+        """MD's request ends off the user's path, its KV kept for its prefix
+        cache (the next turn's)."""
         self.md_live = False
         self._close(Leg.MD)
         self._out.append(Abort(Leg.MD, self.md_id, keep_kv=True, background=True))
-        self._resume_paused_rld(now)
 
     def _end_overlap(self, now: float) -> None:
         """MD will not take the stream: nothing of its overlap is kept; RLD's

@@ -163,7 +163,6 @@ class RecoveryRules:
             # MD decodes on from RLD's tokens it took ahead of its KV: the user's
             # stream goes on with its tokens past what the user has (those
             # before are checked against the user's, `_already_out`).
-            self.md_extend_s = now
             self._note("md_takeover", at=len(self.tokens), extend_tokens=0)
             return
         toks = self.tokens[self.md_upto:]

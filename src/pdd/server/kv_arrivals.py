@@ -40,7 +40,7 @@ class KVArrival:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     warm: bool = False            # a prefix pushed to warm the cache: no request consumes it
     claimed: bool = False         # a decode call waits for it (under its own timeout: never expired)
-    ahead: list = field(default_factory=list)    # the relay's tokens from index 1, sent ahead (`take_ahead`)
+    ahead: list = field(default_factory=list)    # the relay's tokens from index 1, sent ahead (`add_ahead`)
 
 
 class KVArrivals:
