@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdd.bench.client import ClientConfig, run_workload_sync
+from pdd.measure.step_speed import read_step_shapes
 from pdd.deploy.spec import link_overrides
 from pdd.measure.files import save_workload, write_json, write_records
 from pdd.measure.metrics import Sla, summarize_mode
@@ -140,6 +141,10 @@ def run_mode(spec: ModeSpec, workload: Workload, out: Path, sla: Sla, client: di
     summary.update({"config": spec.config_path, "overrides": spec.overrides,
                     "deployment": getattr(dep, "name", spec.name), "startup_s": startup_s,
                     "cpu_s": cpu, "warmup_requests": max(warmup, 0)})
+    # the engines' step costs by shape, for the report's comparison with the baseline's
+    shapes = read_step_shapes(mode_dir / "steps.jsonl")
+    if shapes is not None:
+        summary["step_shapes"] = shapes
     return summary, records
 
 

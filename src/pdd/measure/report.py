@@ -11,6 +11,7 @@ import sys
 from typing import TextIO
 
 from pdd.measure.metrics import cost_per_million_tokens, relative_change
+from pdd.measure.step_speed import speed_rows
 
 # Figures of the PDD technical report (docs: /work/shared/MISSION.md).
 REPORT = {
@@ -218,6 +219,23 @@ def render_markdown(summary: dict) -> str:
         "tokens (64K context, 1K output). 100-token handoff: KV over WAN mean 185 ms, peaks "
         "512.6 ms; recompute mean 305 ms, max 321.4 ms.",
         "",
+    ]
+    speed = speed_rows(summary)
+    if speed:
+        parts += [
+            "## Engine steps against the baseline's",
+            "",
+            _md_table(["mode", "decoder step CPU", "P step CPU", "P step wall"], speed),
+            "",
+            f"The same shape of step (batch, prompt tokens, context) in this mode's window over "
+            f"`{summary.get('baseline')}`'s, medians, over the shapes both ran (steps compared in "
+            "brackets). The decoder's core does the same kind of work in every mode: its CPU figure "
+            "is mostly the machine's drift between the two windows. P's CPU beyond it is what P's "
+            "core shares; P's wall beyond its CPU is time P waited for its core "
+            "(`pdd.measure.step_speed`).",
+            "",
+        ]
+    parts += [
         "## Prefix-hit distribution",
         "",
         _hit_table(summary),
