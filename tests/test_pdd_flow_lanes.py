@@ -56,3 +56,40 @@ def test_foreground_commands_are_still_carried_out_in_place():
     took, calls = _run_with_slow_calls(cmds, {"md0": 0.15})
     assert took >= 0.14                                  # a keep_kv abort is awaited
     assert [c[1] for c in calls] == ["Note", "Abort"]
+
+
+def test_p_release_and_a_copy_cancel_do_not_hold_the_next_fact():
+    """P answers a call only as its event loop gets to it, which a prompt step
+    under way can hold up: awaited in the fact loop, P's release held MD's
+    first tokens until P's step ended (up to 1.4 s). They go in P's lane, in
+    order: the cancel, then the release."""
+    class P:
+        class spec:
+            name = "p0"
+
+    cmds = [io.CancelTransfer("md0", "filter"), io.ReleaseP("p0")]
+    calls = []
+
+    async def main():
+        run = PddRun(None, None, None)
+        run.members[io.Leg.P] = P
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def carry_out(cmd):
+            start = loop.time() - t0
+            await asyncio.sleep(0.2)                      # P busy with a prompt step
+            calls.append((type(cmd).__name__, start, loop.time() - t0))
+
+        run.carry_out = carry_out
+        await run.apply(cmds)
+        took = loop.time() - t0
+        while run.background:
+            await asyncio.sleep(0.02)
+        return took, set(run.lanes)
+
+    took, lanes = asyncio.run(main())
+    assert took < 0.05
+    assert lanes == {"p0"}                                # P's lane, not the copy's receiver's
+    assert [c[0] for c in calls] == ["CancelTransfer", "ReleaseP"]
+    assert calls[1][1] >= calls[0][2] - 1e-3

@@ -99,9 +99,9 @@ class Engine:
             raise InvalidRequestError(f"duplicate request id {req.request_id!r}")
         if not req.prompt_ids:
             raise InvalidRequestError("prompt is empty")
-        bad = [t for t in req.token_ids if not (isinstance(t, int) and 0 <= t < self.model_cfg.vocab_size)]
+        bad = vocab_error(req.token_ids, self.model_cfg.vocab_size)
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model_cfg.vocab_size})")
+            raise InvalidRequestError(bad)
         if req.num_tokens >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {req.num_tokens} tokens; this model's context limit is {self.max_model_len}"
@@ -138,10 +138,9 @@ class Engine:
         if final and not token_ids and req.status == RequestStatus.RUNNING and not req.hold \
                 and req.num_uncomputed <= 1:
             return                      # resuming one that had not stopped yet: it runs on
-        bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool)
-                                            and 0 <= t < self.model_cfg.vocab_size)]
+        bad = vocab_error(token_ids, self.model_cfg.vocab_size)
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model_cfg.vocab_size})")
+            raise InvalidRequestError(bad)
         if req.num_tokens + len(token_ids) > self.max_model_len:
             raise InvalidRequestError(f"extending to {req.num_tokens + len(token_ids)} tokens passes this model's "
                                       f"context limit of {self.max_model_len}")
@@ -408,6 +407,15 @@ class Engine:
         except IndexError:
             return []
         return [(r.num_prefill_tokens, r.wall_s, r.prefill_attn) for r in recent if r.num_prefill_tokens > 0][:window]
+
+
+def vocab_error(token_ids, vocab_size: int) -> str | None:
+    """Why these token ids cannot go into the model (the first that is not an
+    int in [0, vocab_size)), or None."""
+    for t in token_ids:
+        if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size):
+            return f"token id {t!r} is outside the vocabulary [0, {vocab_size})"
+    return None
 
 
 def status_reason(status: RequestStatus) -> str:

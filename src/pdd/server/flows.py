@@ -251,7 +251,9 @@ async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
                 elif kind == "transfer":
                     note_transfer(ctx, ev, cluster)
                     if ev.get("ok"):
-                        await release(client, p, ctx)
+                        # Not awaited: D's first tokens must not wait for P's answer
+                        # (P's event loop may be held up by a prompt step under way).
+                        spawn(release(client, p, ctx), _cleanups)
                     else:
                         # D would wait for KV that will never come: end it now. The abort
                         # may cross the very line that failed, so the user's error does

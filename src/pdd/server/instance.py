@@ -26,7 +26,7 @@ from aiohttp import web
 
 from pdd.deploy.spec import ROUTER_CERT_NAME, DeploymentSpec, InstanceSpec, Role
 from pdd.deploy.topology import copy_pace
-from pdd.engine.engine import Engine, InvalidRequestError
+from pdd.engine.engine import Engine, InvalidRequestError, vocab_error
 from pdd.engine.hashing import hash_blocks
 from pdd.engine.request import EngineRequest
 from pdd.engine.runner import trim_heap
@@ -365,10 +365,9 @@ class InstanceServer:
         KV has landed (the request decodes on its own: nothing is taken)."""
         if not isinstance(start, int) or isinstance(start, bool) or start < 1:
             return bad_request(f"start must be a positive integer, got {start!r}")
-        vocab = self.engine.model_cfg.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = vocab_error(ids, self.engine.model_cfg.vocab_size)
         if bad:
-            return bad_request(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            return bad_request(bad)
         return web.json_response({"ok": True, "have": self.arrivals.add_ahead(rid, start, ids)})
 
     def _abandon_decode(self, rid: str) -> None:

@@ -44,8 +44,14 @@ _ENDS = {r.value: r for r in io.EndReason}
 
 
 def _laned(cmd) -> bool:
-    """A control call sent in order per instance, off the fact loop (`PddRun.in_lane`)."""
-    return isinstance(cmd, (io.ExtendMd, io.PauseRld, io.ResumeRld)) or isinstance(cmd, io.Abort) and cmd.background
+    """A control call sent in order per instance, off the fact loop (`PddRun.in_lane`).
+    P's release and a cancelled copy too: nothing waits for their answer, and P
+    answers a call only as its event loop gets to it, which a prompt step under
+    way can hold up; awaited in the loop, they held every token that came
+    meanwhile (an MD's first tokens reached the user together up to 1.4 s
+    late, `results/wan-bound-68`, `ab-s36-c1`: "What session 36 found")."""
+    return (isinstance(cmd, (io.ExtendMd, io.PauseRld, io.ResumeRld, io.ReleaseP, io.CancelTransfer))
+            or isinstance(cmd, io.Abort) and cmd.background)
 
 
 class PddRun:
@@ -303,7 +309,9 @@ class PddRun:
         answers it only between two engine steps (a whole step of MD's batch),
         and meanwhile RLD's tokens must keep reaching the user. A final batch's
         extend and RLD's pause thus go out together."""
-        iid = cmd.instance_id
+        # the instance the call goes to: P for its release and its copies' cancels
+        iid = (self.members[io.Leg.P].spec.name if isinstance(cmd, (io.ReleaseP, io.CancelTransfer))
+               else cmd.instance_id)
         before = self.lanes.get(iid)
 
         async def go() -> None:
@@ -362,7 +370,9 @@ class PddRun:
         elif isinstance(cmd, io.CloseStream):
             self.streams.close(cmd.leg.value)
         elif isinstance(cmd, io.ReleaseP):
+            t0 = time.monotonic()
             await release(self.client, self.members[io.Leg.P], ctx)
+            ctx.trace.event("p_released", answered_s=round(time.monotonic() - t0, 4))
         elif isinstance(cmd, io.WanFailed):
             c.wan.observe_failure(time.monotonic())
 
