@@ -28,11 +28,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdd.bench.client import ClientConfig, run_workload_sync
-from pdd.measure.step_speed import read_step_shapes
 from pdd.deploy.spec import link_overrides
 from pdd.measure.files import save_workload, write_json, write_records
 from pdd.measure.metrics import Sla, summarize_mode
 from pdd.measure.records import RequestRecord
+from pdd.measure.step_speed import read_step_shapes
 from pdd.measure.workload import Workload, hit_rate_histogram, warmup_requests
 
 ABLATIONS: dict[str, dict] = {

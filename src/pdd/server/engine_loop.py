@@ -100,10 +100,11 @@ class EngineLoop:
         # With no work, only a command can bring some (submit, extend; a
         # KV import through `call_now` fills blocks but schedules nothing),
         # and every command wakes the thread: it sleeps on the queue, the
-        # timeout only bounds how late it sees `_stop` without one. Measured:
-        # polling every 10 ms kept an idle instance at 3.2-3.7% of a core
-        # (the router's status polls included), 1.8-2.3% without it
-        # (session 36); on a core P shares with RLD, that is P's time. With
+        # timeout only bounds how late it sees `_stop` without one. Measured
+        # (`pdd up -c examples/pdd.toml`, 60 s of each idle process, session
+        # 36): polling every 10 ms, P / RLD / MD took 3.4 / 3.3 / 3.6% of a
+        # core (the router's status polls included), 3.1 / 2.5 / 2.4% without
+        # it; on a core P shares with RLD, that is P's time. With
         # work it cannot schedule (no free blocks), a step plans nothing:
         # it waits `stuck_wait_s` before trying again instead of spinning.
         self.idle_wait_s = idle_wait_s
