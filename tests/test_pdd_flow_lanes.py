@@ -59,10 +59,10 @@ def test_foreground_commands_are_still_carried_out_in_place():
 
 
 def test_p_release_and_a_copy_cancel_do_not_hold_the_next_fact():
-    """P answers a call only as its event loop gets to it, which a prompt step
-    under way can hold up: awaited in the fact loop, P's release held MD's
-    first tokens until P's step ended (up to 1.4 s). They go in P's lane, in
-    order: the cancel, then the release."""
+    """A call to P can be slow to come back: awaited in the fact loop, P's
+    release held MD's first tokens until it was answered (up to 1.4 s, when
+    P's prefill handler held the connection it went out on until P's step
+    ended). They go in P's lane, in order: the cancel, then the release."""
     class P:
         class spec:
             name = "p0"

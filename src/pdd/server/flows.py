@@ -251,8 +251,8 @@ async def pd_flow(ctx: RequestContext, cluster: Cluster, client: InternalClient,
                 elif kind == "transfer":
                     note_transfer(ctx, ev, cluster)
                     if ev.get("ok"):
-                        # Not awaited: D's first tokens must not wait for P's answer
-                        # (P's event loop may be held up by a prompt step under way).
+                        # Not awaited: D's first tokens must not wait for P's answer,
+                        # which may be slow to come back.
                         spawn(release(client, p, ctx), _cleanups)
                     else:
                         # D would wait for KV that will never come: end it now. The abort

@@ -45,11 +45,12 @@ _ENDS = {r.value: r for r in io.EndReason}
 
 def _laned(cmd) -> bool:
     """A control call sent in order per instance, off the fact loop (`PddRun.in_lane`).
-    P's release and a cancelled copy too: nothing waits for their answer, and P
-    answers a call only as its event loop gets to it, which a prompt step under
-    way can hold up; awaited in the loop, they held every token that came
-    meanwhile (an MD's first tokens reached the user together up to 1.4 s
-    late, `results/wan-bound-68`, `ab-s36-c1`: "What session 36 found")."""
+    P's release and a cancelled copy too: nothing waits for their answer, and
+    any call to P can be slow to come back; awaited in the loop, they held
+    every token that came meanwhile (an MD's first tokens reached the user
+    together up to 1.4 s late, `results/wan-bound-68`, `ab-s36-c1`: "What
+    session 36 found"; P's prefill handler then held the connection such a
+    call went out on until P's step ended, mended in session 37)."""
     return (isinstance(cmd, (io.ExtendMd, io.PauseRld, io.ResumeRld, io.ReleaseP, io.CancelTransfer))
             or isinstance(cmd, io.Abort) and cmd.background)
 
