@@ -82,6 +82,26 @@ def test_bench_stream_chains_blocks_and_closes_the_loop():
     assert len(t0.full_block_ids) == (t0.prompt_tokens + t0.output_tokens - 1) // 16
 
 
+def test_bench_stream_replays_the_recorded_send_times():
+    """A replay sends each request when the run sent it; a closed-loop turn
+    never before its predecessor ended in the simulation (counted as held)."""
+    wl = chain_workload()
+    sent = {"s-t0": 0.2, "a0": 1.4, "s-t1": 9.0, "s-t2": 20.0}
+    s = BenchStream(wl, 16, sent)
+    first = {r.request_id: r for r in s.initial()}
+    assert first["s-t0"].arrival_s == 0.2 and first["a0"].arrival_s == 1.4
+    (t1,) = s.next_after(first["s-t0"], 4.0, failed=False)
+    assert t1.arrival_s == 9.0 and s.held == 0        # the run's time, not 4.0 + think time
+    (t2,) = s.next_after(t1, 23.5, failed=False)
+    assert t2.arrival_s == 23.5 and s.held == 1       # its predecessor ended after the recorded 20.0
+    # A request the run has no time for keeps the workload's (a root) or the loop's (a turn).
+    s = BenchStream(wl, 16, {"a0": 1.4})
+    (t0,) = [r for r in s.initial() if r.request_id == "s-t0"]
+    assert t0.arrival_s == 0.0
+    (t1,) = s.next_after(t0, 4.0, failed=False)
+    assert t1.arrival_s == pytest.approx(4.5) and s.held == 0
+
+
 def test_a_quoted_answer_is_cached_under_the_next_prompts_block_ids():
     """A closed-loop turn whose next turn quotes its answer (`answer_at`):
     the decoder's output blocks carry the ids of the next prompt's blocks, so
@@ -263,9 +283,22 @@ def test_validate_a_bench_folder(tmp_path):
     (run / "summary.json").write_text(json.dumps({k: summary[k] for k in ("workload", "sla", "modes")}))
     v = validate(run, seeds=1)      # the seed the "measurements" were drawn with
     assert json.loads((run / "validation.json").read_text())["modes"].keys() == {"pd-local", "pdd"}
+    assert v["arrivals"] == "recorded"
     for row in v["modes"].values():
+        assert row["sim"]["arrivals_held"] == 0
         for metric in ("ttft_p50", "ttft_p90", "tpot_mean", "goodput_rps"):
             assert row[metric] == pytest.approx(0.0, abs=1e-9)
+    closed = validate(run, seeds=1, arrivals="closed-loop")
+    assert closed["arrivals"] == "closed-loop" and "arrivals_held" not in closed["modes"]["pdd"]["sim"]
+    for row in closed["modes"].values():
+        for metric in ("ttft_p50", "ttft_p90", "tpot_mean"):
+            assert row[metric] == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="arrivals"):
+        validate(run, seeds=1, arrivals="open")
+    # The replay's requests arrive at the times it is given.
+    shifted = {r.request_id: r.arrival_s + 2.0 for r in wl.requests if r.depends_on is None}
+    _, recs, _ = run_runtime_mode(modes[1], wl, sla, cal, arrivals=shifted)
+    assert {r.request_id: r.arrival_s for r in recs if r.request_id in shifted} == shifted
     d = v["modes"]["pdd"]["decisions"]
     assert d["compared"] == len(wl.requests) and d["agree"] == d["compared"] and d["differ"] == {}
     # A record that says otherwise is counted as a disagreement.

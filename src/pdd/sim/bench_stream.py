@@ -14,12 +14,21 @@ output blocks get ids of their own (they take room, nothing matches them).
 Arrivals follow the bench client (its `run_workload`): a
 request without `depends_on` is due at `arrival_s`; a closed-loop turn is
 due `think_time_s` after the user saw its predecessor end (failed or not).
+
+Replaying a recorded run (`pdd sim --validate`), `arrivals` gives each
+request the time the bench client sent it: the run's own trace, so the
+simulated requests meet the cluster in the phases the real ones met it.
+A closed-loop turn is never sent before its predecessor has ended in the
+simulation (its prompt quotes that answer): a turn the simulation holds
+past its recorded time goes when its predecessor ends, and counts in
+`held`. Without `arrivals`, the loop closes on the simulated times, and a
+replay's timing error moves every later turn of the session with it.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pdd.measure.workload import Workload, WorkloadRequest
 from pdd.sim.request import RequestSpec
@@ -55,8 +64,11 @@ class BenchStream:
     Every request generates `max_tokens` tokens (the bench sets ignore_eos).
     """
 
-    def __init__(self, workload: Workload, block_size: int) -> None:
+    def __init__(self, workload: Workload, block_size: int,
+                 arrivals: Mapping[str, float] | None = None) -> None:
         self.block_size = block_size
+        self.arrivals = dict(arrivals) if arrivals is not None else None
+        self.held = 0        # turns sent after their recorded time (their predecessor ended later)
         self._reqs = {r.request_id: r for r in workload.requests}
         self._children: dict[str, list[WorkloadRequest]] = {}
         self._quoted_by: dict[str, WorkloadRequest] = {}
@@ -68,10 +80,22 @@ class BenchStream:
         self._roots = [r for r in workload.requests if r.depends_on not in self._reqs]
 
     def initial(self) -> list[RequestSpec]:
-        return [self._spec(r, r.arrival_s) for r in self._roots]
+        return [self._spec(r, self._recorded(r, r.arrival_s)) for r in self._roots]
+
+    def _recorded(self, r: WorkloadRequest, default: float) -> float:
+        if self.arrivals is None:
+            return default
+        return self.arrivals.get(r.request_id, default)
 
     def _spec(self, r: WorkloadRequest, arrival_s: float) -> RequestSpec:
         return to_spec(r, self.block_size, arrival_s, quoted_by=self._quoted_by.get(r.request_id))
 
     def next_after(self, spec: RequestSpec, done_s: float, failed: bool) -> list[RequestSpec]:
-        return [self._spec(c, done_s + c.think_time_s) for c in self._children.get(spec.request_id, [])]
+        out = []
+        for c in self._children.get(spec.request_id, []):
+            due = self._recorded(c, done_s + c.think_time_s)
+            if due < done_s:
+                self.held += 1
+                due = done_s
+            out.append(self._spec(c, due))
+        return out

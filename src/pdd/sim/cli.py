@@ -7,8 +7,9 @@
         would send (same flags, defaults and seed); same summary.json schema
     pdd sim --calibrate results/quick [more steps.jsonl or dirs] [--out cal.json]
         fit the CPU profile to the engine steps a bench run saved
-    pdd sim --validate results/quick
-        replay a bench run, write results/quick/validation.json, print errors
+    pdd sim --validate results/quick [--closed-loop]
+        replay a bench run (its requests when the run sent them), write
+        results/quick/validation.json, print errors
     pdd sim report --out results/sim-report [--quick]
         the report's figures (PNG) and report.md
     pdd sim sweep -c ... --preset wan-bound --rates 25,50,100,200,400 [--real RUN ...]
@@ -52,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-speeds", action="store_true",
                    help="--validate with --calibration: keep its fits, but measure each instance's speed "
                         "on the replayed run's own engine steps (this machine's speed drifts by the hour)")
+    p.add_argument("--closed-loop", action="store_true",
+                   help="--validate: close each session's loop on the simulated times (a turn due think "
+                        "time after its predecessor's simulated end) instead of sending every request "
+                        "when the run sent it")
     p.add_argument("--model", default="smollm2-135m", help="model preset for --calibrate")
     p.add_argument("--hardware", default="cpu", help="hardware profile for --calibrate")
     p.add_argument("--no-plots", action="store_true")
@@ -133,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
         done = []
         for run_dir in args.validate:
             v = validate(run_dir, _calibration(args), _options(args), seeds=args.seeds,
-                         run_speeds=args.run_speeds)
+                         run_speeds=args.run_speeds,
+                         arrivals="closed-loop" if args.closed_loop else "recorded")
             print(f"== {run_dir}")
             print_table(v)
             print(f"wrote {run_dir / 'validation.json'}")

@@ -38,25 +38,28 @@ class RuntimeMode:
 
 def run_runtime_mode(m: RuntimeMode, workload: Workload, sla: Sla, calibration=None,
                      opts: RuntimeOptions = RuntimeOptions(),
-                     event_log=None, warmup: int = 0) -> tuple[dict, list, float]:
+                     event_log=None, warmup: int = 0,
+                     arrivals: dict[str, float] | None = None) -> tuple[dict, list, float]:
     """(summary entry, records in workload order, simulated seconds) of one
     deployment; `event_log` (`pdd.sim.events.EventLog`) receives its events;
-    `warmup`: the requests its bench sent before the run, routed first."""
+    `warmup`: the requests its bench sent before the run, routed first;
+    `arrivals`: a recorded run's send time per request id (`BenchStream`)."""
     spec = load_spec(m.config_path, m.overrides)
     entry, records, now = run_runtime_spec(spec, m.name, workload, sla, calibration, opts, m.run,
-                                           event_log, warmup)
+                                           event_log, warmup, arrivals)
     entry.update({"config": m.config_path, "overrides": m.overrides})
     return entry, records, now
 
 
 def run_runtime_spec(spec, name: str, workload: Workload, sla: Sla, calibration=None,
                      opts: RuntimeOptions = RuntimeOptions(),
-                     run: str | None = None, event_log=None, warmup: int = 0) -> tuple[dict, list, float]:
+                     run: str | None = None, event_log=None, warmup: int = 0,
+                     arrivals: dict[str, float] | None = None) -> tuple[dict, list, float]:
     """`run_runtime_mode` for a DeploymentSpec already in memory (`pdd plan`)."""
     mode = mode_from_spec(spec, name, calibration, opts, run=run)
     scenario = Scenario(model_shape(spec), None, sla, (mode,), SimSettings(drain_s=HORIZON_S))
-    cluster = Cluster(mode, scenario, BenchStream(workload, block_size(spec)),
-                      event_log.for_mode(name) if event_log is not None else None)
+    stream = BenchStream(workload, block_size(spec), arrivals)
+    cluster = Cluster(mode, scenario, stream, event_log.for_mode(name) if event_log is not None else None)
     cluster.route_warmup([(r.request_id, len(r.prompt_token_ids), r.max_tokens)
                           for r in warmup_requests(workload, warmup)])
     t0 = time.perf_counter()
@@ -68,6 +71,8 @@ def run_runtime_spec(spec, name: str, workload: Workload, sla: Sla, calibration=
     entry["hit_rate_histogram"] = hit_rate_histogram([r.hit_rate for r in records if not r.failed])
     entry.update({"deployment": spec.name, "startup_s": 0.0, "sim": _stats(cluster, records, wall),
                   "warmup_requests": max(warmup, 0)})
+    if arrivals is not None:
+        entry["sim"]["arrivals_held"] = stream.held
     return entry, records, cluster.loop.now
 
 

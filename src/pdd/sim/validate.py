@@ -10,6 +10,18 @@ RUN/validation.json with signed relative errors, (sim - real) / real:
                       "decisions": {...}, "samples": {"real": ..., "sim": ...}}},
      "targets": {...}, ...}
 
+The replay sends every request when the run's client sent it (`arrivals`
+"recorded", the default: each record's `arrival_s`), a closed-loop turn never
+before its predecessor has ended in the simulation (`BenchStream`; such
+turns are counted, "arrivals_held"). This is a replay of the run's trace: it
+tests what the cluster did with the requests it got, in the phases it got
+them. `arrivals="closed-loop"` closes the loop on the simulated times
+instead, as `pdd sim -c` does for a new workload: each simulated end moves
+its session's later turns, so a timing error of one request moves the phase
+of every later one against the cold prompts on P, and the errors mix that
+chance in (wan-bound runs `-69`, `-71`..`-74`: the five seeds' PDD TTFT p50
+spread over 0.04-0.13 s closed, 0.02-0.08 s recorded; README, session 38).
+
 Step times are drawn with the scatter the calibration measured (a real run
 is one draw of a noisy machine), so every mode is simulated with `seeds`
 seeds: "sim" holds the median over seeds (the prediction, which the errors
@@ -56,6 +68,7 @@ METRICS = {
     "goodput_rps": ("goodput_rps", None),
 }
 TARGETS = {"ttft_p50": 0.10, "ttft_p90": 0.10, "tpot_mean": 0.05}
+ARRIVALS = ("recorded", "closed-loop")
 
 
 def _get(entry: dict, key: str, sub: str | None) -> float | None:
@@ -85,10 +98,14 @@ def modes_of(run: Path, summary: dict) -> list[RuntimeMode]:
 
 
 def validate(run: Path, calibration: CpuCalibration | None = None,
-             opts: RuntimeOptions = RuntimeOptions(), seeds: int = 5, run_speeds: bool = False) -> dict:
+             opts: RuntimeOptions = RuntimeOptions(), seeds: int = 5, run_speeds: bool = False,
+             arrivals: str = "recorded") -> dict:
     """`run_speeds` (with a `calibration`): keep its fits, measure the
     machine's speed per instance on the replayed run's own steps
-    (`calibration.with_run_speeds`)."""
+    (`calibration.with_run_speeds`); `arrivals`: "recorded" (send each
+    request when the run sent it) or "closed-loop" (module docstring)."""
+    if arrivals not in ARRIVALS:
+        raise ValueError(f"arrivals: one of {', '.join(ARRIVALS)}, not {arrivals!r}")
     run = Path(run)
     summary = json.loads((run / "summary.json").read_text())
     sla = Sla(**summary["sla"])
@@ -102,15 +119,19 @@ def validate(run: Path, calibration: CpuCalibration | None = None,
         calibration = with_run_speeds(calibration, [run], model_shape(load_spec(modes[0].config_path)))
     out: dict = {"run": str(run), "sla": summary["sla"], "targets": TARGETS,
                  "calibration": calibration.to_dict(),
-                 "options": vars(opts), "run_speeds": run_speeds,
+                 "options": vars(opts), "run_speeds": run_speeds, "arrivals": arrivals,
                  "seeds": seeds if opts.step_jitter else 1, "modes": {}}
     for m in modes:
         real = summary["modes"][m.name]
         # The bench's warm-up requests went through the same router first
         # (one by default; runs before the field was recorded used the default).
         warmup = int(real.get("warmup_requests", 1))
+        real_path = run / m.name / "records.jsonl"
+        real_records = read_records(real_path) if real_path.is_file() else []
+        sent = ({r.request_id: r.arrival_s for r in real_records}
+                if arrivals == "recorded" and real_records else None)
         runs = [run_runtime_mode(m, workload, sla, calibration, dataclasses.replace(opts, seed=opts.seed + k),
-                                 warmup=warmup)
+                                 warmup=warmup, arrivals=sent)
                 for k in range(out["seeds"])]
         row: dict = {"real": {k: _get(real, *v) for k, v in METRICS.items()}, "sim": {}, "sim_range": {}}
         for metric, (key, sub) in METRICS.items():
@@ -120,10 +141,10 @@ def validate(run: Path, calibration: CpuCalibration | None = None,
             row[metric] = rel_error(row["sim"][metric], row["real"][metric])
         sim, records, _ = runs[0]
         row["sim"]["pipelines"] = sim["sim"]["pipelines"]
+        if sent is not None:
+            row["sim"]["arrivals_held"] = max(entry["sim"]["arrivals_held"] for entry, _, _ in runs)
         # Every request's TTFT and TPOT, real and over all seeds, for the
         # summary over several runs (`summarize`: pooled percentiles).
-        real_path = run / m.name / "records.jsonl"
-        real_records = read_records(real_path) if real_path.is_file() else []
         row["samples"] = {"real": _samples(real_records),
                           "sim": _samples([r for _, recs, _ in runs for r in recs])}
         # Decisions of the first seed's replay, request by request.
@@ -206,6 +227,11 @@ def print_table(v: dict) -> None:
         print(f"{name:<12}" + "".join(cells))
     print(f"TTFT in s, TPOT in ms, goodput in req/s; sim: median of {v.get('seeds', 1)} jitter seed(s); "
           "targets: |err| <= 10% TTFT, 5% TPOT")
+    arrivals = v.get("arrivals", "closed-loop")
+    held = {name: row["sim"].get("arrivals_held") for name, row in v["modes"].items()}
+    print(f"arrivals: {arrivals}" + ("" if arrivals != "recorded" else
+          " (the run's send times; turns held past theirs until their predecessor ended: "
+          + ", ".join(f"{n} {h}" for n, h in held.items() if h is not None) + ")"))
     for name, row in v["modes"].items():
         d = row.get("decisions")
         if d:
@@ -222,7 +248,8 @@ def summarize(runs: list[dict]) -> dict:
     values' spread across runs (the machine's own repeatability), the signed
     errors, how many are within target, and how many real values fall inside
     the simulator's seed range."""
-    out: dict = {"runs": [v["run"] for v in runs], "modes": {}}
+    out: dict = {"runs": [v["run"] for v in runs], "modes": {},
+                 "arrivals": sorted({v.get("arrivals", "closed-loop") for v in runs})}
     for name in dict.fromkeys(n for v in runs for n in v["modes"]):
         rows = [v["modes"][name] for v in runs if name in v["modes"]]
         cell = {}
