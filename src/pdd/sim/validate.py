@@ -19,8 +19,8 @@ them. `arrivals="closed-loop"` closes the loop on the simulated times
 instead, as `pdd sim -c` does for a new workload: each simulated end moves
 its session's later turns, so a timing error of one request moves the phase
 of every later one against the cold prompts on P, and the errors mix that
-chance in (wan-bound runs `-69`, `-71`..`-74`: the five seeds' PDD TTFT p50
-spread over 0.04-0.13 s closed, 0.02-0.08 s recorded; README, session 38).
+chance in (wan-bound runs `-69`, `-71`..`-75`: the five seeds' PDD TTFT p50
+spread over 0.04-0.13 s closed, 0.01-0.08 s recorded; README, session 38).
 
 Step times are drawn with the scatter the calibration measured (a real run
 is one draw of a noisy machine), so every mode is simulated with `seeds`
