@@ -295,6 +295,12 @@ def test_validate_a_bench_folder(tmp_path):
             assert row[metric] == pytest.approx(0.0, abs=1e-9)
     with pytest.raises(ValueError, match="arrivals"):
         validate(run, seeds=1, arrivals="open")
+    # The command line: recorded by default, --closed-loop for the old replay.
+    from pdd.cli import main
+
+    for flags, kind in (([], "recorded"), (["--closed-loop"], "closed-loop")):
+        assert main(["sim", "--validate", str(run), "--seeds", "1", *flags]) == 0
+        assert json.loads((run / "validation.json").read_text())["arrivals"] == kind
     # The replay's requests arrive at the times it is given.
     shifted = {r.request_id: r.arrival_s + 2.0 for r in wl.requests if r.depends_on is None}
     _, recs, _ = run_runtime_mode(modes[1], wl, sla, cal, arrivals=shifted)
